@@ -1,0 +1,49 @@
+"""The command lines that start N trainer ranks, one per launcher, in one place.
+
+    torchrun     torchrun --standalone --nproc-per-node N -m trainer ARGS
+    mpirun       mpirun -np N --oversubscribe python -m trainer ARGS
+    horovodrun   horovodrun -np N -H localhost:N python -m trainer ARGS
+    single       python -m trainer ARGS
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+LAUNCHERS = ("single", "torchrun", "mpirun", "horovodrun")
+BIN = Path(sys.executable).parent
+
+
+def local_command(launcher: str, nproc: int, args: list[str],
+                  module: str = "trainer") -> list[str]:
+    """Start ``nproc`` ranks of ``python -m module ARGS`` on this machine."""
+    python = [sys.executable, "-m", module, *args]
+    if launcher == "single":
+        return python
+    if launcher == "torchrun":
+        return [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc),
+                "-m", module, *args]
+    if launcher == "mpirun":
+        # --oversubscribe: more ranks than cores is fine for CPU tests and benchmarks.
+        return [str(BIN / "mpirun"), "-np", str(nproc), "--oversubscribe", *python]
+    if launcher == "horovodrun":
+        # --gloo: without it horovodrun picks its MPI controller, which passes Open MPI 5
+        # a single-dash -bind-to that it no longer reads (use mpirun for MPI instead).
+        return [str(BIN / "horovodrun"), "--gloo", "-np", str(nproc), "-H", f"localhost:{nproc}",
+                *python]
+    raise ValueError(f"launcher {launcher!r}: valid: {', '.join(LAUNCHERS)}")
+
+
+def local_environment(**extra: str) -> dict[str, str]:
+    """This environment, with the venv's launchers first and Open MPI allowed as root."""
+    env = dict(os.environ)
+    env.update(
+        PATH=f"{BIN}:{env.get('PATH', '')}",
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env

@@ -1,0 +1,78 @@
+"""Helpers to run the trainer as users do (real processes, real launchers) and read
+back what it leaves behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from launch.commands import local_command, local_environment
+
+REPO = Path(__file__).resolve().parents[1]
+# Keep test runs short and their output readable.
+QUICK = ["telemetry.progress=false"]
+
+
+@dataclass
+class Run:
+    dir: Path
+    proc: subprocess.CompletedProcess
+
+    @property
+    def output(self) -> str:
+        return self.proc.stdout + self.proc.stderr
+
+    @property
+    def summary(self) -> dict:
+        return json.loads((self.dir / "summary.json").read_text())
+
+    def checkpoints(self) -> list[Path]:
+        return sorted((self.dir / "checkpoints").glob("ckpt-*.pt"))
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """The model of the newest checkpoint."""
+        return torch.load(self.checkpoints()[-1], weights_only=True)["model"]
+
+
+def run_trainer(run_dir: Path, *overrides: str, launcher: str = "single", nproc: int = 1,
+                expect: int | None = 0, timeout: float = 600, env: dict | None = None) -> Run:
+    args = [f"hydra.run.dir={run_dir}", *QUICK, *overrides]
+    proc = subprocess.run(local_command(launcher, nproc, args), cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env=local_environment(**(env or {})))
+    run = Run(run_dir, proc)
+    if expect is not None:
+        assert proc.returncode == expect, (
+            f"exit {proc.returncode}, expected {expect}\n{run.output[-6000:]}")
+    return run
+
+
+@pytest.fixture
+def train(tmp_path):
+    """train(name, *overrides, launcher=..., nproc=...) -> Run in tmp_path/name."""
+    def _train(name: str, *overrides: str, **kwargs) -> Run:
+        return run_trainer(tmp_path / name, *overrides, **kwargs)
+    return _train
+
+
+def compose_config(*overrides: str):
+    """The composed config, as `python -m trainer` would see it (no run directory)."""
+    from trainer.config import register
+
+    register()
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float) -> None:
+    """Every tensor of ``a`` equals the one of ``b`` within ``rtol`` (relative, as a norm)."""
+    assert a.keys() == b.keys()
+    for name in a:
+        diff = (a[name].double() - b[name].double()).norm()
+        scale = b[name].double().norm().clamp_min(1e-12)
+        assert diff / scale <= rtol, f"{name}: relative difference {diff / scale:.3g} > {rtol}"

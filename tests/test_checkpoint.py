@@ -1,0 +1,111 @@
+"""Checkpoints: atomic, verified, pruned; resume continues exactly where a run stopped."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import assert_close
+from trainer.checkpoint import Checkpoints, CorruptCheckpoint, check_compatible, find_resume
+from trainer.config import ConfigError
+
+MODEL = {"name": "convnet", "l1": 0.0, "channels": [32, 64], "kernels": [5, 5], "hidden": 128}
+
+
+def save(checkpoints: Checkpoints, step: int, model=MODEL) -> None:
+    checkpoints.save({"model": {"w": torch.full((64, 64), float(step))}, "position": step},
+                     {"step": step, "epoch": 0, "offset": step, "model": model,
+                      "dataset": "mnist", "world_size": 1, "global_batch": 64})
+
+
+def test_save_keeps_the_last_k_and_nothing_half_written(tmp_path):
+    checkpoints = Checkpoints(tmp_path, keep=2)
+    for step in (10, 20, 30):
+        save(checkpoints, step)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt-000000020.json", "ckpt-000000020.pt", "ckpt-000000030.json", "ckpt-000000030.pt"]
+    manifest = json.loads((tmp_path / "ckpt-000000030.json").read_text())
+    assert manifest["bytes"] == (tmp_path / "ckpt-000000030.pt").stat().st_size
+    assert find_resume("auto", checkpoints).load()["position"] == 30
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "no_manifest", "bad_manifest"])
+def test_a_damaged_newest_checkpoint_is_reported_and_skipped(tmp_path, damage, caplog):
+    checkpoints = Checkpoints(tmp_path, keep=3)
+    save(checkpoints, 10)
+    save(checkpoints, 20)
+    blob, manifest = tmp_path / "ckpt-000000020.pt", tmp_path / "ckpt-000000020.json"
+    data = blob.read_bytes()
+    if damage == "truncate":
+        blob.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":  # torch.load would accept this and return wrong weights
+        blob.write_bytes(data[:-200] + bytes([data[-200] ^ 0xFF]) + data[-199:])
+    elif damage == "no_manifest":  # a crash between the two renames
+        manifest.unlink()
+    else:
+        manifest.write_text("{not json")
+    found = find_resume("auto", checkpoints)
+    assert found.manifest["step"] == 10
+    assert torch.equal(found.load()["model"]["w"], torch.full((64, 64), 10.0))
+    if damage != "no_manifest":
+        assert "skipping checkpoint" in caplog.text and "ckpt-000000020" in caplog.text
+    if damage == "truncate":
+        assert f"truncated, {len(data) // 2} of {len(data)} bytes" in caplog.text
+    if damage == "flip":
+        assert "sha256 does not match" in caplog.text
+
+
+def test_resume_path_verifies_the_file_and_refuses_a_corrupt_one(tmp_path):
+    checkpoints = Checkpoints(tmp_path, keep=3)
+    save(checkpoints, 10)
+    blob = tmp_path / "ckpt-000000010.pt"
+    assert find_resume(str(blob), checkpoints).manifest["step"] == 10
+    blob.write_bytes(blob.read_bytes()[:100])
+    with pytest.raises(ConfigError, match="truncated"):
+        find_resume(str(blob), checkpoints)
+    with pytest.raises(ConfigError, match="no such checkpoint"):
+        find_resume(str(tmp_path / "nope.pt"), checkpoints)
+    with pytest.raises(CorruptCheckpoint):
+        checkpoints.verify(tmp_path / "ckpt-000000010.json")
+
+
+def test_resume_never_refuses_to_mix_with_existing_checkpoints(tmp_path):
+    checkpoints = Checkpoints(tmp_path, keep=3)
+    assert find_resume("never", checkpoints) is None
+    save(checkpoints, 10)
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        find_resume("never", checkpoints)
+
+
+def test_a_checkpoint_of_another_model_is_refused_with_both_named(tmp_path):
+    checkpoints = Checkpoints(tmp_path, keep=3)
+    save(checkpoints, 10, model={"name": "lenet", "l1": 0.0})
+    found = find_resume("auto", checkpoints)
+    with pytest.raises(ConfigError) as e:
+        check_compatible(found, MODEL, "mnist")
+    assert "lenet" in str(e.value) and "convnet" in str(e.value)
+    check_compatible(found, {"name": "lenet", "l1": 1e-5}, "mnist")  # l1 is not the model
+
+
+# ------------------------------------------------------------------ resume, end to end
+
+STEPS = ["dataset=synthetic", "dataset.shape=[1,28,28]", "dataset.train_size=2000",
+         "train.batch_size=32", "train.epochs=3", "train.seed=5"]
+
+
+@pytest.mark.slow
+def test_resume_mid_epoch_ends_with_the_parameters_of_an_uninterrupted_run(train):
+    # 2000 samples / (2 x 32) = 31 steps per epoch: step 40 is in the middle of epoch 2.
+    whole = train("whole", *STEPS, "train.max_steps=70", launcher="torchrun", nproc=2)
+    first = train("parts", *STEPS, "train.max_steps=40", "checkpoint.every_steps=15",
+                  launcher="torchrun", nproc=2)
+    assert [p.name for p in first.checkpoints()] == [
+        "ckpt-000000030.pt", "ckpt-000000031.pt", "ckpt-000000040.pt"]  # every 15, epoch, end
+    second = train("parts", *STEPS, "train.max_steps=70", launcher="torchrun", nproc=2)
+    assert "resumed at step 40 (epoch 2, sample 576 of its order)" in second.output
+    assert second.summary["steps"] == 70 and second.summary["steps_this_run"] == 30
+    assert second.summary["resumed_from"].endswith("ckpt-000000040.pt")
+    assert_close(second.params(), whole.params(), rtol=0)  # bit for bit
+    assert second.summary["test_loss"] == whole.summary["test_loss"]

@@ -1,0 +1,98 @@
+"""Bad input fails before anything starts, naming the bad value and what is valid."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from tests.conftest import REPO, compose_config, run_trainer
+from trainer.config import ConfigError, validate
+
+
+def problems(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        validate(compose_config(*overrides))
+    return str(e.value)
+
+
+def test_the_default_config_is_valid_and_every_group_option_composes():
+    validate(compose_config())
+    for option in ["dataset=cifar10", "dataset=synthetic", "model=mnist_convnet", "model=lenet",
+                   "model=cifar_convnet", "model=resnet20", "model=torchvision",
+                   "optim=adamw", "schedule=goyal", "schedule=constant", "engine=ddp"]:
+        validate(compose_config(option))
+
+
+@pytest.mark.parametrize("override, listed", [
+    ("dataset=imagenet", ["cifar10", "mnist", "synthetic"]),
+    ("model=vgg", ["convnet", "lenet", "resnet20", "torchvision"]),
+    ("engine=deepspeed", ["ddp"]),
+    ("optim=lamb", ["adamw", "sgd"]),
+])
+def test_unknown_group_option_lists_the_valid_ones(override, listed):
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_config(override)
+    text = str(e.value)
+    assert override.split("=")[1] in text
+    for name in listed:
+        assert name in text
+    options = text.split("Available options")[1].split("Config search path")[0]
+    assert "schema" not in options  # the schemas are not offered as choices
+
+
+def test_unknown_names_inside_a_group_are_caught_with_a_suggestion():
+    text = problems("optim.name=adam", "engine.name=horovd", "model=torchvision",
+                    "model.arch=resnet1800", "schedule.decay=linear")
+    assert "optim.name=adam: unknown (did you mean adamw?); valid: sgd, adamw" in text
+    assert "engine.name=horovd: unknown (did you mean horovod?)" in text
+    assert "model.arch=resnet1800" in text and "resnet18" in text
+    assert "schedule.decay=linear: unknown" in text and "cosine, step, none" in text
+
+
+@pytest.mark.parametrize("override", [
+    "train.batch_size=0", "train.epochs=-1", "train.accumulation=0", "optim.lr=0.0",
+    "optim.reference_batch=0", "train.max_steps=0", "engine.timeout_s=0.0",
+    "checkpoint.keep=0", "dataset=synthetic dataset.train_size=0",
+])
+def test_non_positive_sizes_are_refused(override):
+    text = problems(*override.split())
+    assert f"{override.split()[-1]}: must be positive" in text
+
+
+def test_every_problem_is_listed_at_once():
+    text = problems("train.batch_size=0", "optim.lr=-1", "schedule=goyal",
+                    "schedule.milestones=[]")
+    assert "train.batch_size=0" in text and "optim.lr=-1" in text
+    assert "schedule.milestones=[]: decay=step needs at least one epoch" in text
+
+
+def test_typo_in_a_key_is_refused_by_the_schema():
+    with pytest.raises(ConfigCompositionException, match="batchsize"):
+        compose_config("train.batchsize=64")
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["train.batch_size=0"], "train.batch_size=0: must be positive"),
+    (["train.batch_size=40000"], "global batch 80000"),
+])
+def test_bad_input_exits_2_before_any_process_group(tmp_path, overrides, expected):
+    # Two workers under torchrun: every rank validates; rank 0 says what is wrong.
+    run = run_trainer(tmp_path / "run", *overrides, launcher="torchrun", nproc=2, expect=None,
+                      timeout=120)
+    assert "exitcode  : 2" in run.output  # torchrun's report of our exit code
+    assert run.output.count("error:") == 1 and expected in run.output, run.output[-3000:]
+    assert "rank 1 (" in run.output and "stopped: bad configuration" in run.output
+    assert f'File "{REPO / "trainer"}' not in run.output  # no traceback of ours
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run" / "tensorboard").exists()
+
+
+def test_missing_data_offline_is_reported_by_each_rank_that_lacks_it(tmp_path):
+    run = run_trainer(tmp_path / "run", "data.root=/nonexistent/data", "data.download=false",
+                      launcher="mpirun", nproc=2, expect=None, timeout=120)
+    assert run.proc.returncode != 0
+    for rank in (0, 1):
+        assert f"rank {rank} (" in run.output
+    assert run.output.count("dataset mnist not found: looked in /nonexistent/data") == 2
+    assert "data.root=PATH" in run.output
+    assert f'File "{REPO / "trainer"}' not in run.output

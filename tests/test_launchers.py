@@ -1,0 +1,92 @@
+"""Every way users start a run, each with 2 ranks, each ending with a valid summary.json."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from launch.commands import BIN, local_environment
+from tests.conftest import QUICK, REPO, Run
+
+SHORT = ["dataset=synthetic", "dataset.shape=[1,28,28]", "dataset.train_size=1280",
+         "train.batch_size=32", "train.max_steps=12", "train.threads=1"]
+
+
+def check_summary(run: Run, engine: str) -> None:
+    summary = run.summary
+    assert summary["world_size"] == 2 and summary["global_batch"] == 64
+    assert summary["engine"] == engine and summary["steps"] == 12
+    assert 0 <= summary["test_accuracy"] <= 1 and summary["images_per_second"] > 0
+
+
+def launch(cmd: list[str], run_dir, timeout: float = 300) -> Run:
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env=local_environment())
+    run = Run(run_dir, proc)
+    assert proc.returncode == 0, run.output[-5000:]
+    return run
+
+
+def trainer(run_dir, *overrides: str) -> list[str]:
+    return [str(BIN / "python"), "-m", "trainer", f"hydra.run.dir={run_dir}", *QUICK, *SHORT,
+            *overrides]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["horovod", "ddp"])
+def test_horovodrun_with_hosts(tmp_path, engine):
+    # engine=ddp under horovodrun: rank 0 posts its store's address to horovodrun's
+    # rendezvous server, so users can switch engines without switching launchers.
+    run = launch([str(BIN / "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2",
+                  *trainer(tmp_path, f"engine={engine}")], tmp_path)
+    check_summary(run, engine)
+    assert run.summary["backend"] == "gloo"
+
+
+@pytest.mark.slow
+def test_horovodrun_with_a_hostfile(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")
+    run = launch([str(BIN / "horovodrun"), "--gloo", "-np", "2", "--hostfile", str(hostfile),
+                  *trainer(tmp_path / "run", "engine=horovod")], tmp_path / "run")
+    check_summary(run, "horovod")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["horovod", "ddp"])
+def test_mpirun(tmp_path, engine):
+    run = launch([str(BIN / "mpirun"), "-np", "2", "--oversubscribe",
+                  *trainer(tmp_path, f"engine={engine}")], tmp_path)
+    check_summary(run, engine)
+
+
+@pytest.mark.slow
+def test_horovod_allreduce_over_mpi(tmp_path):
+    run = launch([str(BIN / "mpirun"), "-np", "2", "--oversubscribe",
+                  *trainer(tmp_path, "engine=horovod", "engine.backend=mpi")], tmp_path)
+    check_summary(run, "horovod")
+    assert run.summary["backend"] == "mpi"
+
+
+@pytest.mark.slow
+def test_torchrun(tmp_path):
+    run = launch([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m",
+                  *trainer(tmp_path, "engine=ddp")[2:]], tmp_path)
+    check_summary(run, "ddp")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["horovod", "ddp"])
+def test_make_train(tmp_path, engine):
+    args = " ".join([f"hydra.run.dir={tmp_path}", *QUICK, *SHORT])
+    run = launch(["make", "--no-print-directory", "train", f"ENGINE={engine}", "NPROC=2",
+                  f"ARGS={args}"], tmp_path)
+    check_summary(run, engine)
+
+
+def test_horovodrun_check_build_shows_pytorch_gloo_and_mpi():
+    out = subprocess.run([str(BIN / "horovodrun"), "-cb"], capture_output=True, text=True,
+                         env=local_environment(), check=True).stdout
+    assert "[X] PyTorch" in out and "[X] Gloo" in out and "[X] MPI" in out
+

@@ -1,0 +1,67 @@
+"""What rank 0 leaves behind, read back the way users read it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.conftest import compose_config
+from trainer.schedule import LRSchedule
+
+# 640 synthetic samples, 2 workers x 32: 10 steps per epoch, 2 epochs.
+SMALL = ["dataset=synthetic", "dataset.shape=[1,28,28]", "dataset.train_size=640",
+         "dataset.test_size=100", "train.batch_size=32", "train.epochs=2",
+         "telemetry.log_every=5", "schedule.warmup_epochs=1"]
+
+
+@pytest.mark.slow
+def test_tensorboard_and_metrics_hold_every_scalar_written_by_rank_0_only(train):
+    run = train("run", *SMALL, launcher="torchrun", nproc=2)
+    events = list((run.dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1  # one writer: rank 0
+    tb = EventAccumulator(str(run.dir / "tensorboard"))
+    tb.Reload()
+    scalars = tb.Tags()["scalars"]
+    for tag in ["train/loss", "train/accuracy", "train/lr", "train/images_per_second",
+                "epoch/seconds", "epoch/images_per_second", "test/loss", "test/accuracy"]:
+        assert tag in scalars, tag
+
+    # The LR of every one of the 20 steps, as the schedule's formula gives it.
+    lr = tb.Scalars("train/lr")
+    assert [e.step for e in lr] == list(range(1, 21))
+    schedule = LRSchedule.from_config(compose_config(*SMALL), global_batch=64,
+                                      steps_per_epoch=10)
+    for event in lr:
+        assert event.value == pytest.approx(schedule(event.step - 1), rel=1e-6)
+    assert [e.step for e in tb.Scalars("train/loss")] == [5, 10, 15, 20]
+    assert [e.step for e in tb.Scalars("test/accuracy")] == [10, 20]
+    assert len(tb.Scalars("epoch/seconds")) == 2
+
+    records = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()]
+    kinds = [r["kind"] for r in records]
+    assert kinds.count("train") == 4 and kinds.count("epoch") == 2 and kinds.count("test") == 2
+    final = [r for r in records if r["kind"] == "test"][-1]
+    assert final["accuracy"] == run.summary["test_accuracy"]
+    assert tb.Scalars("test/accuracy")[-1].value == pytest.approx(final["accuracy"])
+    assert run.summary["final_lr"] == pytest.approx(schedule(19))
+
+    # Only rank 0 writes: one run directory, and rank 1 prints nothing of its own.
+    assert run.output.count("test accuracy") == 3  # two epoch lines and the summary
+    assert sorted(p.name for p in run.dir.iterdir()) == [
+        ".hydra", "checkpoints", "metrics.jsonl", "summary.json", "tensorboard", "train.log"]
+
+
+@pytest.mark.slow
+def test_summary_has_what_users_and_benchmarks_read(train):
+    run = train("run", *SMALL, "train.max_steps=7")
+    summary = run.summary
+    for key in ["test_accuracy", "test_loss", "train_seconds", "images_per_second",
+                "world_size", "global_batch", "steps", "epochs", "engine", "final_lr"]:
+        assert key in summary
+    assert summary["steps"] == 7 and summary["epochs"] == pytest.approx(7 / 20)
+    assert summary["world_size"] == 1 and summary["global_batch"] == 32
+    assert summary["engine"] == "ddp" and summary["images_per_second"] > 0
+    assert f"summary     {run.dir / 'summary.json'}" in run.output
+    assert "img/s" in run.output and "tensorboard" in run.output

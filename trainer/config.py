@@ -1,0 +1,301 @@
+"""Structured configs (Hydra schemas) and their validation.
+
+The YAML files under conf/ choose values; the dataclasses here fix the keys and
+their types, so a typo such as ``train.batchsize=64`` fails in Hydra before anything
+runs. ``validate`` then checks what types cannot: names, ranges, combinations. It
+runs on every rank before any process group exists, so a bad value ends the job with
+one clear paragraph instead of a hang or a traceback on N machines.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+
+# ----------------------------------------------------------------------------- schemas
+
+
+@dataclass
+class DatasetConfig:
+    name: str = MISSING
+    # Random crop (4 px padding) and horizontal flip, on tensors; meant for CIFAR.
+    augment: bool = False
+
+
+@dataclass
+class SyntheticDatasetConfig(DatasetConfig):
+    """Random images of any shape, for throughput benchmarks and tests."""
+
+    shape: list[int] = field(default_factory=lambda: [3, 32, 32])  # C, H, W
+    num_classes: int = 10
+    train_size: int = 10240
+    test_size: int = 1024
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    # L1 penalty on weights (not biases) added to the loss, as in Bras & Valadao.
+    l1: float = 0.0
+
+
+@dataclass
+class ConvNetConfig(ModelConfig):
+    """Two conv + ReLU + 2x2 max-pool stages, a fully connected ReLU layer, the classes."""
+
+    channels: list[int] = field(default_factory=lambda: [32, 64])
+    kernels: list[int] = field(default_factory=lambda: [5, 5])
+    hidden: int = 128
+
+
+@dataclass
+class ResNetConfig(ModelConfig):
+    depth: int = 20  # 6n + 2: 20, 32, 44, 56, 110
+
+
+@dataclass
+class TorchvisionModelConfig(ModelConfig):
+    arch: str = "resnet18"  # any name in torchvision.models.list_models()
+
+
+@dataclass
+class OptimConfig:
+    name: str = MISSING
+    # The base learning rate at `reference_batch`; the run uses
+    # lr x global_batch / reference_batch (Goyal et al. 2017, linear scaling rule).
+    lr: float = 0.1
+    reference_batch: int = 256
+    weight_decay: float = 0.0
+
+
+@dataclass
+class SGDConfig(OptimConfig):
+    momentum: float = 0.9
+    nesterov: bool = False
+
+
+@dataclass
+class AdamWConfig(OptimConfig):
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+
+
+@dataclass
+class ScheduleConfig:
+    # From optim.lr up to the scaled LR, linearly per iteration (Goyal et al. 2017).
+    warmup_epochs: float = 0.0
+    decay: str = "cosine"  # cosine | step | none
+    milestones: list[float] = field(default_factory=list)  # epochs, for decay=step
+    gamma: float = 0.1  # factor at each milestone
+    final_lr_fraction: float = 0.0  # cosine ends at this fraction of the scaled LR
+
+
+@dataclass
+class EngineConfig:
+    name: str = MISSING
+    # auto: nccl on GPU, gloo on CPU; horovod also takes mpi (its CPU allreduce over MPI)
+    backend: str = "auto"
+    # Seconds a collective may wait for a peer before the job fails, naming the
+    # missing rank. Generous by default: a first NCCL allreduce can take a while.
+    timeout_s: float = 300.0
+    sync_bn: bool = False  # SyncBatchNorm, so batch statistics span all workers
+
+
+@dataclass
+class DDPConfig(EngineConfig):
+    bucket_mb: float = 25.0
+
+
+@dataclass
+class HorovodConfig(EngineConfig):
+    compression: str = "none"  # none | fp16 (gradients travel as float16)
+    op: str = "average"  # average | adasum
+    timeline: str | None = None  # PATH: rank 0 writes a Horovod timeline (Chrome trace)
+
+
+@dataclass
+class DataConfig:
+    root: str | None = None  # default: the data/ folder of this repository
+    download: bool = True  # fetch a missing dataset with torchvision when online
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 2
+    max_steps: int | None = None  # stop after this many optimizer steps (tests, benchmarks)
+    batch_size: int = 64  # per worker and micro-step
+    accumulation: int = 1  # micro-steps per optimizer step
+    seed: int = 0
+    label_smoothing: float = 0.0
+    eval_batch_size: int = 1000
+    eval_every_steps: int = 0  # 0: evaluate at each epoch end (and at the end of the run)
+    device: str = "auto"  # auto | cpu | cuda
+    threads: int | None = None  # torch threads per worker; default: cores / local workers
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "${hydra:runtime.output_dir}/checkpoints"
+    every_steps: int = 0  # 0: only at each epoch end and at the end of the run
+    keep: int = 3
+
+
+@dataclass
+class TelemetryConfig:
+    log_every: int = 10  # steps between loss/accuracy records (the LR is logged every step)
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    dataset: DatasetConfig = MISSING
+    model: ModelConfig = MISSING
+    optim: OptimConfig = MISSING
+    schedule: ScheduleConfig = MISSING
+    engine: EngineConfig = MISSING
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    resume: str = "auto"  # auto | never | PATH of a checkpoint file
+
+
+def register() -> None:
+    """Put the schemas where conf/*.yaml extend them (``defaults: [/schema/x/y@_here_]``);
+    under their own group, so that they are not offered as options of dataset=, model=..."""
+    cs = ConfigStore.instance()
+    cs.store(name="schema", node=Config)
+    for group, name, node in [
+        ("dataset", "dataset", DatasetConfig),
+        ("dataset", "synthetic", SyntheticDatasetConfig),
+        ("model", "model", ModelConfig),
+        ("model", "convnet", ConvNetConfig),
+        ("model", "resnet", ResNetConfig),
+        ("model", "torchvision", TorchvisionModelConfig),
+        ("optim", "sgd", SGDConfig),
+        ("optim", "adamw", AdamWConfig),
+        ("schedule", "schedule", ScheduleConfig),
+        ("engine", "ddp", DDPConfig),
+        ("engine", "horovod", HorovodConfig),
+    ]:
+        cs.store(group=f"schema/{group}", name=name, node=node)
+
+
+# -------------------------------------------------------------------------- validation
+
+DATASETS = ("mnist", "cifar10", "synthetic")
+OPTIMIZERS = ("sgd", "adamw")
+DECAYS = ("cosine", "step", "none")
+ENGINES = ("ddp", "horovod")
+BACKENDS = ("auto", "nccl", "gloo", "mpi")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A value the run cannot start with. The message says which and what is valid."""
+
+
+def one_of(key: str, value: Any, valid: tuple[str, ...] | list[str]) -> str | None:
+    """A problem line if ``value`` is not in ``valid``, with a close match when there is one."""
+    if value in valid:
+        return None
+    close = difflib.get_close_matches(str(value), valid, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"{key}={value}: unknown{hint}; valid: {', '.join(valid)}"
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ConfigError listing every problem in ``cfg``, or return if there is none."""
+    from trainer.models import MODELS, torchvision_archs  # models import torch; keep it lazy
+
+    problems: list[str] = []
+
+    def need(ok: bool, line: str) -> None:
+        if not ok:
+            problems.append(line)
+
+    problems += filter(None, [
+        one_of("dataset.name", cfg.dataset.name, DATASETS),
+        one_of("model.name", cfg.model.name, list(MODELS)),
+        one_of("optim.name", cfg.optim.name, OPTIMIZERS),
+        one_of("schedule.decay", cfg.schedule.decay, DECAYS),
+        one_of("engine.name", cfg.engine.name, ENGINES),
+        one_of("engine.backend", cfg.engine.backend, BACKENDS),
+        one_of("train.device", cfg.train.device, DEVICES),
+    ])
+    if cfg.engine.name == "horovod":
+        problems += filter(None, [
+            one_of("engine.compression", cfg.engine.compression, ("none", "fp16")),
+            one_of("engine.op", cfg.engine.op, ("average", "adasum")),
+        ])
+        need(not cfg.engine.sync_bn,
+             "engine.sync_bn=true: SyncBatchNorm is offered with engine=ddp only")
+    elif cfg.engine.backend == "mpi":
+        need(False, "engine.backend=mpi: PyTorch's wheels have no MPI backend; use "
+                    "engine=horovod engine.backend=mpi for an MPI allreduce")
+    if cfg.model.name == "torchvision":
+        problems += filter(None, [one_of("model.arch", cfg.model.arch, torchvision_archs())])
+
+    positive = {
+        "train.epochs": cfg.train.epochs,
+        "train.batch_size": cfg.train.batch_size,
+        "train.accumulation": cfg.train.accumulation,
+        "train.eval_batch_size": cfg.train.eval_batch_size,
+        "optim.lr": cfg.optim.lr,
+        "optim.reference_batch": cfg.optim.reference_batch,
+        "engine.timeout_s": cfg.engine.timeout_s,
+        "checkpoint.keep": cfg.checkpoint.keep,
+        "telemetry.log_every": cfg.telemetry.log_every,
+    }
+    if cfg.train.max_steps is not None:
+        positive["train.max_steps"] = cfg.train.max_steps
+    if cfg.train.threads is not None:
+        positive["train.threads"] = cfg.train.threads
+    if cfg.dataset.name == "synthetic":
+        positive |= {
+            "dataset.num_classes": cfg.dataset.num_classes,
+            "dataset.train_size": cfg.dataset.train_size,
+            "dataset.test_size": cfg.dataset.test_size,
+        }
+        need(len(cfg.dataset.shape) == 3 and all(s > 0 for s in cfg.dataset.shape),
+             f"dataset.shape={list(cfg.dataset.shape)}: must be three positive sizes [C, H, W]")
+    for key, value in positive.items():
+        need(value > 0, f"{key}={value}: must be positive")
+
+    for key, value in {
+        "optim.weight_decay": cfg.optim.weight_decay,
+        "model.l1": cfg.model.l1,
+        "schedule.warmup_epochs": cfg.schedule.warmup_epochs,
+        "checkpoint.every_steps": cfg.checkpoint.every_steps,
+        "train.eval_every_steps": cfg.train.eval_every_steps,
+    }.items():
+        need(value >= 0, f"{key}={value}: must be zero or positive")
+    need(0 <= cfg.train.label_smoothing < 1,
+         f"train.label_smoothing={cfg.train.label_smoothing}: must be in [0, 1)")
+    if cfg.schedule.decay == "step":
+        need(len(cfg.schedule.milestones) > 0,
+             "schedule.milestones=[]: decay=step needs at least one epoch, e.g. [30,60,80]")
+    if cfg.model.name == "convnet":
+        need(len(cfg.model.channels) == 2 and len(cfg.model.kernels) == 2,
+             f"model.channels={list(cfg.model.channels)}, model.kernels="
+             f"{list(cfg.model.kernels)}: the convnet has exactly two conv stages")
+    if cfg.model.name == "cifar_resnet":
+        need(cfg.model.depth >= 8 and (cfg.model.depth - 2) % 6 == 0,
+             f"model.depth={cfg.model.depth}: a CIFAR ResNet has depth 6n+2 (20, 32, 44, 56, 110)")
+    need(cfg.resume in ("auto", "never") or str(cfg.resume).endswith(".pt"),
+         f"resume={cfg.resume}: must be auto, never, or the path of a checkpoint (.pt) file")
+
+    if problems:
+        raise ConfigError(
+            "bad configuration:\n  - " + "\n  - ".join(problems)
+            + "\nSee the groups under conf/ or print the composed config with "
+            "`python -m trainer --cfg job`."
+        )
+
+
+def global_batch(cfg: DictConfig, world_size: int) -> int:
+    return cfg.train.batch_size * world_size * cfg.train.accumulation

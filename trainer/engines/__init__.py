@@ -1,0 +1,78 @@
+"""Engines average gradients across workers; the training loop sees only this interface.
+
+    engine = create(cfg.engine, launch, device)   # joins the process group
+    model, optimizer = engine.prepare(model, optimizer, accumulation)
+    with engine.no_sync(model): ...backward...    # micro-steps before the last
+    optimizer.step()                              # gradients are averaged by now
+    engine.all_reduce_sum(metrics)                # numbers for the logs
+
+PyTorch DDP (engine=ddp) averages in backward hooks over bucketed gradients; Horovod
+(engine=horovod) does it in its DistributedOptimizer. Both run a ring allreduce,
+NCCL on GPUs, Gloo (or MPI, for Horovod) on CPUs.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.optim import Optimizer
+
+from trainer.runtime import Launch
+
+
+class Engine(abc.ABC):
+    name: str
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str  # the transport of the gradient allreduce: nccl, gloo, mpi
+
+    @abc.abstractmethod
+    def prepare(self, model: nn.Module, optimizer: Optimizer,
+                accumulation: int) -> tuple[nn.Module, Optimizer]:
+        """Make every rank start from rank 0's state and average gradients from now on."""
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Around the backward passes that only accumulate (all but the last micro-step)."""
+        return contextlib.nullcontext()
+
+    @abc.abstractmethod
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (picklable objects; checkpoints on resume)."""
+
+    @abc.abstractmethod
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+    def describe_failure(self, error: BaseException) -> str:
+        """What went wrong in a collective, naming the lost ranks where that can be known."""
+        return str(error)
+
+    @abc.abstractmethod
+    def shutdown(self) -> None: ...
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Engine]:
+        try:
+            yield self
+        finally:
+            self.shutdown()
+
+
+def create(cfg: DictConfig, launch: Launch, device: torch.device) -> Engine:
+    if cfg.name == "horovod":
+        from trainer.engines.horovod import HorovodEngine
+
+        return HorovodEngine(cfg, launch, device)
+    from trainer.engines.ddp import DDPEngine
+
+    return DDPEngine(cfg, launch, device)

@@ -1,0 +1,210 @@
+"""engine=ddp: PyTorch DistributedDataParallel over NCCL (GPUs) or Gloo (CPUs).
+
+DDP averages gradients in buckets of ``engine.bucket_mb`` as backward produces them,
+overlapping the ring allreduce with the rest of backward. The process group is
+joined through a TCPStore whose address comes from the launcher (runtime.py's
+table); the same store later tells survivors of a failure which ranks are gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import urllib.error
+import urllib.request
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from trainer.engines import Engine
+from trainer.runtime import Launch, outward_address, slurm_master_addr
+
+log = logging.getLogger(__name__)
+
+# How long survivors of a failure wait for each other to report in.
+_ROLL_CALL_SECONDS = 5.0
+
+
+def _tcp_store(addr: str, port: int, launch: Launch, is_server: bool,
+               timeout: timedelta) -> dist.TCPStore:
+    return dist.TCPStore(addr, port, launch.world_size, is_server, timeout=timeout,
+                         wait_for_workers=False)
+
+
+def _serve_store(launch: Launch, timeout: timedelta) -> dist.TCPStore:
+    """Rank 0's store, on a free port (the server listens on every interface)."""
+    return _tcp_store("127.0.0.1", 0, launch, True, timeout)
+
+
+def _advertised(store: dist.TCPStore, all_local: bool, host: str | None) -> str:
+    """The address other ranks reach rank 0's store at."""
+    if all_local or not host or host == "localhost":
+        host = "127.0.0.1" if all_local else outward_address()
+    return f"{host}:{store.port}"
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, port = address.rsplit(":", 1)
+    return host, int(port)
+
+
+def rendezvous(launch: Launch, timeout: timedelta) -> dist.Store:
+    """The store every rank of this launch connects to, found the launcher's way."""
+    env = os.environ
+    if launch.world_size == 1:
+        return dist.HashStore()
+    if launch.launcher == "torchrun":
+        # torchrun's agent already serves a store at MASTER_ADDR:MASTER_PORT.
+        agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = _tcp_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]), launch,
+                           launch.rank == 0 and not agent_store, timeout)
+        # A restarted worker group must not see the keys of the attempt before it.
+        return dist.PrefixStore(f"spotring/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    if launch.launcher == "mpi":
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        all_local = len(set(comm.allgather(socket.gethostname()))) == 1
+        if launch.rank == 0:
+            store = _serve_store(launch, timeout)
+            comm.bcast(_advertised(store, all_local, env.get("MASTER_ADDR")), root=0)
+            return store
+        return _tcp_store(*_split(comm.bcast(None, root=0)), launch, False, timeout)
+    if launch.launcher == "horovodrun":
+        return _horovodrun_rendezvous(launch, timeout)
+    if launch.launcher == "slurm":
+        port = int(env.get("MASTER_PORT", 20000 + int(env["SLURM_JOB_ID"]) % 20000))
+        return _tcp_store(slurm_master_addr(dict(env)), port, launch, launch.rank == 0, timeout)
+    raise RuntimeError(f"no rendezvous for launcher {launch.launcher}")
+
+
+def _horovodrun_rendezvous(launch: Launch, timeout: timedelta) -> dist.Store:
+    """Under horovodrun, rank 0 opens a store and posts its address to horovodrun's
+    own rendezvous server (an HTTP key-value store), where the other ranks read it."""
+    env = os.environ
+    url = (f"http://{env['HOROVOD_GLOO_RENDEZVOUS_ADDR']}:"
+           f"{env['HOROVOD_GLOO_RENDEZVOUS_PORT']}/spotring/ddp_store")
+    if launch.rank == 0:
+        store = _serve_store(launch, timeout)
+        # The name horovodrun reached this host by is one the other hosts can use.
+        address = _advertised(store, launch.local_world_size == launch.world_size,
+                              env.get("HOROVOD_HOSTNAME"))
+        request = urllib.request.Request(url, data=address.encode(), method="PUT")
+        urllib.request.urlopen(request, timeout=30).close()
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=30) as response:
+                address = response.read().decode()
+            return _tcp_store(*_split(address), launch, False, timeout)
+        except urllib.error.HTTPError as e:
+            if e.code != 404 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)  # rank 0 has not posted yet
+
+
+class DDPEngine(Engine):
+    name = "ddp"
+
+    def __init__(self, cfg: DictConfig, launch: Launch, device: torch.device) -> None:
+        self.cfg = cfg
+        self.rank, self.world_size = launch.rank, launch.world_size
+        self.local_rank, self.device = launch.local_rank, device
+        self.backend = ("nccl" if device.type == "cuda" else "gloo") if cfg.backend == "auto" \
+            else cfg.backend
+        timeout = timedelta(seconds=cfg.timeout_s)
+        self.store = rendezvous(launch, timeout)
+        dist.init_process_group(
+            self.backend, store=dist.PrefixStore("pg", self.store), rank=self.rank,
+            world_size=self.world_size, timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
+        # Who runs where, for error messages about lost ranks.
+        self.ranks = self.all_gather_object(f"{socket.gethostname()} pid {os.getpid()}")
+
+    def prepare(self, model: nn.Module, optimizer: Optimizer,
+                accumulation: int) -> tuple[nn.Module, Optimizer]:
+        if self.cfg.sync_bn:
+            # The new SyncBatchNorm modules keep the same Parameter objects, so the
+            # optimizer built over the old ones still steps them.
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if self.world_size == 1:
+            return model, optimizer  # nothing to average; skip DDP's bucket copies
+        # DDP's constructor broadcasts rank 0's parameters and buffers to all ranks;
+        # rank 0 loaded the checkpoint on resume, so everyone resumes from it.
+        ddp = DistributedDataParallel(
+            model,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            bucket_cap_mb=self.cfg.bucket_mb,
+            gradient_as_bucket_view=True,
+        )
+        self._broadcast_optimizer_state(optimizer)
+        return ddp, optimizer
+
+    def _broadcast_optimizer_state(self, optimizer: Optimizer) -> None:
+        # DDP syncs the module, not the optimizer: momentum buffers come from rank 0 too.
+        optimizer.load_state_dict(self.broadcast_object(optimizer.state_dict()))
+
+    def no_sync(self, model: nn.Module):
+        if isinstance(model, DistributedDataParallel):
+            return model.no_sync()
+        return super().no_sync(model)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def broadcast_object(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, device=self._object_device)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    @property
+    def _object_device(self) -> torch.device | None:
+        return self.device if self.backend == "nccl" else None
+
+    def describe_failure(self, error: BaseException) -> str:
+        missing = self._roll_call()
+        if missing is None:
+            lost = ("rank 0, which serves the rendezvous store, is unreachable "
+                    f"({self.ranks[0]})")
+        elif missing:
+            lost = "lost " + ", ".join(f"rank {r} ({self.ranks[r]})" for r in missing)
+        else:
+            lost = "every rank is still alive"
+        return f"rank {self.rank}: a collective failed: {lost}. Cause: {error}"
+
+    def _roll_call(self) -> list[int] | None:
+        """Ranks that do not report in to the store within a few seconds (None: the
+        store itself is gone). A dead or hung rank never reports."""
+        try:
+            self.store.set_timeout(timedelta(seconds=_ROLL_CALL_SECONDS))
+            self.store.set(f"alive/{self.rank}", "1")
+            deadline = time.monotonic() + _ROLL_CALL_SECONDS
+            while True:
+                missing = [r for r in range(self.world_size)
+                           if not self.store.check([f"alive/{r}"])]
+                if not missing or time.monotonic() > deadline:
+                    return missing
+                time.sleep(0.2)
+        except Exception:  # any store failure means its server (rank 0 or the agent) is gone
+            return None
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

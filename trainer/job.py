@@ -1,0 +1,153 @@
+"""One training job, start to end, as every rank runs it.
+
+    1. check the config, find the data, pick the device   (no network yet: bad input
+    2. rank 0: find the checkpoint to resume from          fails here, on every rank,
+                                                           with one clear paragraph)
+    3. join the process group (the engine)
+    4. rank 0's checkpoint to every rank; train; evaluate
+    5. rank 0: summary.json and the closing lines
+
+Exit codes (the launcher acts on them; the constants below):
+
+    0   done
+    1   failed (a traceback says why)
+    2   bad configuration or data; nothing was started
+    69  a rank died or stopped answering; the message names it where it can
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from trainer import datasets, engines, runtime
+from trainer.checkpoint import Checkpoints, check_compatible, find_resume, write_atomic
+from trainer.config import ConfigError, global_batch, validate
+from trainer.loop import Trainer
+
+log = logging.getLogger("trainer")
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # a bug or an unexpected error: see the traceback
+EXIT_CONFIG = 2  # bad input; nothing was started
+EXIT_PEER_LOST = 69  # a collective failed because a rank died or hung (EX_UNAVAILABLE)
+
+
+
+def run(cfg: DictConfig) -> int:
+    launch = runtime.detect()
+    try:
+        checkpoints, found, dataset, device = _prepare(cfg, launch)
+    except ConfigError as e:
+        _report_bad_input(e, launch)
+        return EXIT_CONFIG
+
+    engine = engines.create(cfg.engine, launch, device)
+    try:
+        resume = engine.broadcast_object(_load(found))
+        trainer = Trainer(cfg, engine, dataset, _run_dir(), checkpoints, resume)
+        summary = trainer.fit()
+    except Exception as e:
+        if not _is_collective_failure(e):
+            raise
+        log.error("%s", engine.describe_failure(e))
+        # Leave without tearing the broken process group down: that can block.
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(EXIT_PEER_LOST)
+    if engine.rank == 0:
+        _report(cfg, summary, checkpoints)
+    engine.shutdown()
+    return EXIT_OK
+
+
+def _prepare(cfg: DictConfig, launch: runtime.Launch):
+    """Everything that can fail on bad input, done before any process group exists."""
+    validate(cfg)
+    if cfg.engine.name == "horovod":
+        from trainer.engines.horovod import require_horovod
+
+        require_horovod()
+    device = runtime.pick_device(cfg.train.device, launch.local_rank)
+    runtime.set_threads(cfg.train.threads, launch.local_world_size)
+    dataset = datasets.load(cfg.dataset, cfg.data, cfg.train.seed)
+    batch = global_batch(cfg, launch.world_size)
+    if batch > len(dataset.train):
+        raise ConfigError(
+            f"global batch {batch} (train.batch_size={cfg.train.batch_size} x "
+            f"{launch.world_size} workers x train.accumulation={cfg.train.accumulation}) "
+            f"is larger than the {len(dataset.train)} training samples of {dataset.name}")
+    checkpoints = Checkpoints(cfg.checkpoint.dir, cfg.checkpoint.keep)
+    found = None
+    if launch.rank == 0:  # only rank 0 reads checkpoints; the others get its copy
+        found = find_resume(cfg.resume, checkpoints)
+        if found is not None:
+            check_compatible(found, OmegaConf.to_container(cfg.model, resolve=True),
+                             cfg.dataset.name)
+    return checkpoints, found, dataset, device
+
+
+def _load(found) -> dict[str, Any] | None:
+    if found is None:
+        return None
+    return found.load() | {"source": str(found.path)}
+
+
+def _run_dir() -> Path:
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def _report_bad_input(error: ConfigError, launch: runtime.Launch) -> None:
+    where = "" if launch.world_size == 1 else f"rank {launch.rank} ({socket.gethostname()}): "
+    if launch.rank == 0 or isinstance(error, datasets.DataError):  # data is per host
+        print(f"spotring: {where}error: {error}", file=sys.stderr)
+    else:  # the same config fails the same way on every rank: one full copy is enough
+        print(f"spotring: {where}stopped: bad configuration (rank 0 says which)", file=sys.stderr)
+
+
+def _is_collective_failure(error: BaseException) -> bool:
+    if isinstance(error, torch.distributed.DistError):
+        return True
+    name = type(error).__name__
+    text = str(error)
+    return name == "HorovodInternalError" or (
+        isinstance(error, RuntimeError)
+        and any(s in text for s in ("Gloo", "gloo", "NCCL", "Connection closed", "Timed out")))
+
+
+def _report(cfg: DictConfig, summary: dict[str, Any], checkpoints: Checkpoints) -> None:
+    run_dir = _run_dir()
+    summary = {
+        **summary,
+        "run_dir": str(run_dir),
+        "tensorboard": str(run_dir / "tensorboard"),
+        "metrics": str(run_dir / "metrics.jsonl"),
+        "checkpoints": str(checkpoints.dir),
+    }
+    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
+    log_file = run_dir / f"{HydraConfig.get().job.name}.log"
+    print(
+        f"\nspotring: {cfg.model.name} on {cfg.dataset.name}: test accuracy "
+        f"{100 * summary['test_accuracy']:.2f}% (loss {summary['test_loss']:.4f}) "
+        f"after {summary['epochs']:.2f} epochs, {summary['steps']} steps\n"
+        f"  time        {summary['train_seconds']:.1f} s training, "
+        f"{summary['images_per_second']:.0f} img/s "
+        f"({summary['images_per_second_per_worker']:.0f} per worker)\n"
+        f"  workers     {summary['world_size']} x batch {cfg.train.batch_size} x "
+        f"{cfg.train.accumulation} accumulation = {summary['global_batch']}, "
+        f"engine {summary['engine']} ({summary['backend']}), final LR {summary['final_lr']:.4g}\n"
+        f"  logs        {log_file if log_file.exists() else run_dir}, {summary['metrics']}\n"
+        f"  tensorboard {summary['tensorboard']}  (tensorboard --logdir {summary['tensorboard']})\n"
+        f"  checkpoints {summary['checkpoints']}\n"
+        f"  summary     {run_dir / 'summary.json'}",
+        flush=True,
+    )

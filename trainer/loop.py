@@ -1,0 +1,270 @@
+"""The training loop: one file a reader can hold in their head.
+
+Every optimizer step:
+
+    lr = schedule(step)                        linear scaling + warmup + decay
+    for each of K micro-batches:               this rank's slice of the global batch
+        loss = criterion(model(x), y) / K
+        loss.backward()                        all but the last inside engine.no_sync:
+                                               the allreduce runs once per step
+    optimizer.step()                           gradients are the average over all
+                                               G = B x W x K samples of the global batch
+    every log_every steps: metrics summed over ranks, logged by rank 0
+    every checkpoint.every_steps and at each epoch end: checkpoint (rank 0 writes)
+
+The loop knows neither the engine nor the launcher: it only calls the Engine interface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from trainer import runtime
+from trainer.checkpoint import Checkpoints
+from trainer.config import global_batch
+from trainer.data import Batch, Batches
+from trainer.datasets import Dataset
+from trainer.engines import Engine
+from trainer.models import build_model, l1_penalty
+from trainer.schedule import LRSchedule, build_optimizer
+from trainer.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Position:
+    """Where a run is; a checkpoint stores it and a resume starts from it."""
+
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0  # the epoch in progress (0-based)
+    offset: int = 0  # samples of this epoch's order already consumed
+
+
+class Stopwatch:
+    """Wall time of training steps only: paused around evaluation and checkpoints.
+    Waits for the GPU at each pause, so asynchronous kernels are counted."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.total = 0.0
+        self._start: float | None = None
+
+    def start(self) -> None:
+        if self._start is None:
+            self._start = time.perf_counter()
+
+    def pause(self) -> None:
+        if self._start is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.total += time.perf_counter() - self._start
+            self._start = None
+
+    def read(self) -> float:
+        self.pause()
+        self.start()
+        return self.total
+
+
+def _every(step: int, interval: int) -> bool:
+    return interval > 0 and step % interval == 0
+
+
+class Trainer:
+    def __init__(self, cfg: DictConfig, engine: Engine, dataset: Dataset, run_dir: Path,
+                 checkpoints: Checkpoints, resume: dict[str, Any] | None) -> None:
+        self.cfg, self.engine, self.run_dir, self.checkpoints = cfg, engine, run_dir, checkpoints
+        self.world_size = engine.world_size
+        self.global_batch = global_batch(cfg, engine.world_size)
+        self.batches = Batches(
+            dataset, global_batch=self.global_batch, rank=engine.rank,
+            world_size=engine.world_size, accumulation=cfg.train.accumulation,
+            seed=cfg.train.seed, augment=cfg.dataset.augment, device=engine.device,
+        )
+        self.schedule = LRSchedule.from_config(cfg, self.global_batch, self.batches.steps_per_epoch)
+        self.total_steps = cfg.train.epochs * self.batches.steps_per_epoch
+        if cfg.train.max_steps is not None:
+            self.total_steps = min(self.total_steps, cfg.train.max_steps)
+
+        # The same seed on every rank gives every rank the same initial weights.
+        runtime.seed_all(cfg.train.seed)
+        model = build_model(cfg.model, dataset.shape, dataset.num_classes).to(engine.device)
+        optimizer = build_optimizer(cfg.optim, model.parameters())
+        self.position = Position()
+        self.resumed_from = None
+        if resume is not None:
+            self._restore(resume, model, optimizer)
+        else:
+            runtime.seed_all(hash((cfg.train.seed, engine.rank)))  # per-rank randomness
+        self.model, self.optimizer = engine.prepare(model, optimizer, cfg.train.accumulation)
+        self.raw_model = getattr(self.model, "module", self.model)  # unwrapped (DDP)
+        self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
+        self.telemetry = Telemetry(run_dir, engine.rank == 0, cfg.telemetry.progress,
+                                   self.total_steps)
+        self.stopwatch = Stopwatch(engine.device)
+        # Running sums since the last log line, on the device: loss x n, correct, n.
+        self._sums = torch.zeros(3, device=engine.device, dtype=torch.float64)
+
+    # ----------------------------------------------------------------------- the loop
+
+    def fit(self) -> dict[str, Any]:
+        pos, cfg = self.position, self.cfg
+        start_step, last_log = pos.step, (pos.step, 0.0)
+        saved_at = evaluated_at = None
+        lr = self.schedule(pos.step)
+        log.info("training %s on %s: %d workers x batch %d x %d accumulation = global batch "
+                 "%d, %d steps per epoch, LR %.4g -> %.4g (x%.3g, linear scaling rule)",
+                 cfg.model.name, cfg.dataset.name, self.world_size, cfg.train.batch_size,
+                 cfg.train.accumulation, self.global_batch, self.batches.steps_per_epoch,
+                 self.schedule.base_lr, self.schedule.peak_lr,
+                 self.global_batch / cfg.optim.reference_batch)
+        while pos.epoch < cfg.train.epochs and pos.step < self.total_steps:
+            epoch_start = (pos.step, self.stopwatch.total)
+            for batch in self.batches.train(pos.epoch, pos.offset):
+                self.stopwatch.start()
+                lr = self.schedule.apply(self.optimizer, pos.step)
+                self._train_step(batch)
+                pos.step, pos.offset = pos.step + 1, batch.offset
+                self.telemetry.lr(pos.step, lr)
+                if _every(pos.step, cfg.telemetry.log_every):
+                    last_log = self._log_interval(last_log, lr)
+                if _every(pos.step, cfg.train.eval_every_steps):
+                    test, evaluated_at = self.evaluate(), pos.step
+                if _every(pos.step, cfg.checkpoint.every_steps):
+                    saved_at = self._checkpoint()
+                if pos.step >= self.total_steps:
+                    break
+            self.stopwatch.pause()
+            if self.batches.steps_left(pos.offset) == 0:  # the epoch is complete
+                steps, seconds = pos.step - epoch_start[0], self.stopwatch.total - epoch_start[1]
+                self.telemetry.epoch(pos.step, pos.epoch, seconds,
+                                     steps * self.global_batch / max(seconds, 1e-9))
+                pos.epoch, pos.offset = pos.epoch + 1, 0
+                if evaluated_at != pos.step:
+                    test, evaluated_at = self.evaluate(), pos.step
+                if saved_at != pos.step:
+                    saved_at = self._checkpoint()
+        if evaluated_at != pos.step:
+            test = self.evaluate()
+        if saved_at != pos.step:
+            self._checkpoint()
+        self.telemetry.close()
+        steps = pos.step - start_step
+        seconds = self.stopwatch.total
+        return {
+            "test_accuracy": test["accuracy"],
+            "test_loss": test["loss"],
+            "train_seconds": seconds,
+            "images_per_second": steps * self.global_batch / max(seconds, 1e-9),
+            "images_per_second_per_worker":
+                steps * self.global_batch / max(seconds, 1e-9) / self.world_size,
+            "world_size": self.world_size,
+            "global_batch": self.global_batch,
+            "batch_size": cfg.train.batch_size,
+            "accumulation": cfg.train.accumulation,
+            "steps": pos.step,
+            "steps_this_run": steps,
+            "epochs": pos.step / self.batches.steps_per_epoch,
+            "engine": self.engine.name,
+            "backend": self.engine.backend,
+            "final_lr": lr,
+            "peak_lr": self.schedule.peak_lr,
+            "dataset": cfg.dataset.name,
+            "model": cfg.model.name,
+            "resumed_from": self.resumed_from,
+        }
+
+    def _train_step(self, batch: Batch) -> None:
+        k = len(batch.micro)
+        for i, (x, y) in enumerate(batch.micro):
+            sync = i == k - 1  # only the last micro-step's backward runs the allreduce
+            with contextlib.nullcontext() if sync else self.engine.no_sync(self.model):
+                logits = self.model(x)
+                loss = self.criterion(logits, y)
+                with torch.no_grad():
+                    self._sums += torch.stack([loss * len(y), (logits.argmax(1) == y).sum(),
+                                               torch.tensor(len(y), device=y.device)])
+                if self.cfg.model.l1:
+                    loss = loss + self.cfg.model.l1 * l1_penalty(self.raw_model)
+                (loss / k).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()  # sets grads to None (torch >= 2.0)
+
+    def _log_interval(self, last: tuple[int, float], lr: float) -> tuple[int, float]:
+        """Loss and accuracy over all ranks since the last log line (one small allreduce)."""
+        sums = self.engine.all_reduce_sum(self._sums).tolist()
+        self._sums.zero_()
+        now = self.stopwatch.read()
+        step = self.position.step
+        rate = (step - last[0]) * self.global_batch / max(now - last[1], 1e-9)
+        self.telemetry.train(step, self.position.epoch, lr, sums[0] / sums[2], sums[1] / sums[2],
+                             rate)
+        return step, now
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Loss and accuracy on the whole test set, each sample counted once across ranks."""
+        self.stopwatch.pause()
+        self.raw_model.eval()
+        sums = torch.zeros(3, device=self.engine.device, dtype=torch.float64)
+        for x, y in self.batches.test(self.cfg.train.eval_batch_size):
+            logits = self.raw_model(x)
+            sums += torch.stack([F.cross_entropy(logits, y, reduction="sum"),
+                                 (logits.argmax(1) == y).sum(),
+                                 torch.tensor(len(y), device=y.device)])
+        self.raw_model.train()
+        loss, correct, n = self.engine.all_reduce_sum(sums).tolist()
+        result = {"loss": loss / n, "accuracy": correct / n}
+        step = self.position.step
+        self.telemetry.test(step, step / self.batches.steps_per_epoch, self.stopwatch.total,
+                            **result)
+        return result
+
+    # -------------------------------------------------------------------- checkpoints
+
+    def _checkpoint(self) -> int:
+        self.stopwatch.pause()
+        rng = self.engine.all_gather_object(runtime.rng_state())  # every rank's, for resume
+        if self.engine.rank == 0:
+            pos = self.position
+            state = {
+                "model": self.raw_model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "position": asdict(pos),
+                "schedule": {"step": pos.step, "peak_lr": self.schedule.peak_lr},
+                "rng": rng,
+                "config": OmegaConf.to_container(self.cfg, resolve=True),
+            }
+            meta = {
+                "step": pos.step, "epoch": pos.epoch, "offset": pos.offset,
+                "model": OmegaConf.to_container(self.cfg.model, resolve=True),
+                "dataset": self.cfg.dataset.name,
+                "world_size": self.world_size, "global_batch": self.global_batch,
+            }
+            path = self.checkpoints.save(state, meta)
+            log.info("checkpoint written: %s", path)
+        return self.position.step
+
+    def _restore(self, state: dict[str, Any], model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer) -> None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        self.position = Position(**state["position"])
+        self.resumed_from = state.get("source")
+        rngs = state["rng"]
+        if len(rngs) == self.world_size:
+            runtime.set_rng_state(rngs[self.engine.rank])
+        else:  # another world size: fresh, but still reproducible, per-rank streams
+            runtime.seed_all(hash((self.cfg.train.seed, self.engine.rank, self.position.step)))
+        log.info("resumed at step %d (epoch %d, sample %d of its order)",
+                 self.position.step, self.position.epoch + 1, self.position.offset)

@@ -1,0 +1,159 @@
+"""The networks: the seed papers' models, CIFAR ResNets, and any torchvision model by name.
+
+Every builder takes the model config, the input shape (C, H, W) and the number of
+classes, and returns logits; the softmax lives in the loss. None of them uses dropout,
+so N workers with batch b take exactly the steps one worker takes with N*b. Models
+with BatchNorm (the ResNets) normalise over each worker's batch unless
+``engine.sync_bn=true``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch import nn
+
+
+def _flat_size(features: nn.Module, shape: tuple[int, int, int]) -> int:
+    with torch.no_grad():
+        return features(torch.zeros(1, *shape)).numel()
+
+
+def convnet(cfg: DictConfig, shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+    """Two conv + ReLU + 2x2 max-pool stages, a fully connected ReLU layer, the classes.
+
+    model=convnet (the default): 32 and 64 5x5 kernels, FC 128; 99% on MNIST in 2 epochs.
+    model=mnist_convnet, Bras & Valadao's network: 5x5 then 3x3 kernels, 28 -> 24 -> 12
+    -> 10 -> 5, so channels[1]=4 leaves 4 x 5 x 5 = 100 values; FC 25 + ReLU; softmax 10.
+    """
+    (c1, c2), (k1, k2) = cfg.channels, cfg.kernels
+    features = nn.Sequential(
+        nn.Conv2d(shape[0], c1, k1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(c1, c2, k2), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(),
+    )
+    return nn.Sequential(
+        features,
+        nn.Linear(_flat_size(features, shape), cfg.hidden), nn.ReLU(),
+        nn.Linear(cfg.hidden, num_classes),
+    )
+
+
+def lenet(cfg: DictConfig, shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+    """LeNet-5 (LeCun et al. 1998) with ReLU and max pooling; 28x28 input is padded to 32."""
+    pad = 2 if shape[1] == 28 else 0
+    features = nn.Sequential(
+        nn.Conv2d(shape[0], 6, 5, padding=pad), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(),
+    )
+    return nn.Sequential(
+        features,
+        nn.Linear(_flat_size(features, shape), 120), nn.ReLU(),
+        nn.Linear(120, 84), nn.ReLU(),
+        nn.Linear(84, num_classes),
+    )
+
+
+def cifar_convnet(cfg: DictConfig, shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+    """The CIFAR-10 network of MathWorks' parallel-training white paper: three
+    conv5x5 (32, 32, 64) / ReLU / 3x3 stride-2 pool stages with cross-channel (local
+    response) normalisation after the first two, then FC 64, ReLU, FC 10."""
+    features = nn.Sequential(
+        nn.Conv2d(shape[0], 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(3, 2),
+        nn.LocalResponseNorm(5),
+        nn.Conv2d(32, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(3, 2),
+        nn.LocalResponseNorm(5),
+        nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(3, 2),
+        nn.Flatten(),
+    )
+    return nn.Sequential(
+        features,
+        nn.Linear(_flat_size(features, shape), 64), nn.ReLU(),
+        nn.Linear(64, num_classes),
+    )
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.extra_channels = c_out - c_in
+        self.stride = stride
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        # He et al.'s option A shortcut: subsample and zero-pad the new channels,
+        # which keeps the CIFAR ResNets at their published parameter counts.
+        shortcut = x[:, :, :: self.stride, :: self.stride]
+        if self.extra_channels:
+            shortcut = F.pad(shortcut, (0, 0, 0, 0, 0, self.extra_channels))
+        return F.relu(out + shortcut)
+
+
+def cifar_resnet(cfg: DictConfig, shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+    """He et al. 2016's CIFAR ResNet of depth 6n+2 (resnet20: 0.27 M parameters)."""
+    n = (cfg.depth - 2) // 6
+    layers: list[nn.Module] = [
+        nn.Conv2d(shape[0], 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+    ]
+    c_in = 16
+    for c_out, stride in [(16, 1), (32, 2), (64, 2)]:
+        for i in range(n):
+            layers.append(_BasicBlock(c_in, c_out, stride if i == 0 else 1))
+            c_in = c_out
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes)]
+    model = nn.Sequential(*layers)
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d | nn.Linear):
+            nn.init.kaiming_normal_(m.weight)
+    return model
+
+
+@cache
+def torchvision_archs() -> list[str]:
+    import torchvision
+
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def torchvision_model(cfg: DictConfig, shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+    """Any torchvision classification model by name, randomly initialised (no download).
+    Grey images are repeated to three channels, which these models expect."""
+    import torchvision
+
+    model = torchvision.models.get_model(cfg.arch, weights=None, num_classes=num_classes)
+    if shape[0] == 1:
+        return nn.Sequential(_GreyToRGB(), model)
+    return model
+
+
+class _GreyToRGB(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.expand(-1, 3, -1, -1)
+
+
+MODELS: dict[str, Callable[[DictConfig, tuple[int, int, int], int], nn.Module]] = {
+    "convnet": convnet,
+    "lenet": lenet,
+    "cifar_convnet": cifar_convnet,
+    "cifar_resnet": cifar_resnet,
+    "torchvision": torchvision_model,
+}
+
+
+def build_model(cfg: DictConfig, shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+    return MODELS[cfg.name](cfg, shape, num_classes)
+
+
+def l1_penalty(model: nn.Module) -> torch.Tensor:
+    """Sum of |w| over weight matrices and kernels (biases and norms excluded)."""
+    return sum(p.abs().sum() for p in model.parameters() if p.dim() > 1)

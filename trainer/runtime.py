@@ -1,0 +1,147 @@
+"""Who am I: the launcher's environment, this rank's device, threads and seeds.
+
+No flag says how a run was started; the environment does:
+
+    launcher     variables read                                  rendezvous for engine=ddp
+    torchrun     RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR/PORT     torchrun's store
+    horovodrun   HOROVOD_RANK HOROVOD_SIZE HOROVOD_LOCAL_RANK    rank 0 posts its store
+                 HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT               address to horovodrun's
+                                                                 rendezvous server
+    Open MPI     OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,...}      mpi4py: rank 0 opens a
+    MPICH/Hydra  PMI_RANK PMI_SIZE MPI_LOCALRANKID               store, broadcasts address
+                                                                 and port
+    SLURM srun   SLURM_PROCID SLURM_NTASKS SLURM_LOCALID         MASTER_ADDR or the first
+                                                                 node, MASTER_PORT or one
+                                                                 derived from the job id
+    (none)       a single process                                an in-memory store
+
+Horovod does its own rendezvous (hvd.init); engine=horovod only reads the ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import subprocess
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Launch:
+    launcher: str  # torchrun | horovodrun | mpi | slurm | single
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def _ints(env: dict[str, str], *names: str) -> list[int] | None:
+    if all(n in env for n in names):
+        return [int(env[n]) for n in names]
+    return None
+
+
+def detect(env: dict[str, str] | None = None) -> Launch:
+    """The launch this process belongs to, from environment variables alone."""
+    env = dict(os.environ if env is None else env)
+    if (v := _ints(env, "RANK", "WORLD_SIZE", "LOCAL_RANK")) is not None:
+        local_world = int(env.get("LOCAL_WORLD_SIZE", v[1]))
+        return Launch("torchrun", v[0], v[1], v[2], local_world)
+    if (v := _ints(env, "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK",
+                   "HOROVOD_LOCAL_SIZE")) is not None:
+        return Launch("horovodrun", *v)
+    if (v := _ints(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                   "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")) is not None:
+        return Launch("mpi", *v)
+    if (v := _ints(env, "PMI_RANK", "PMI_SIZE")) is not None:
+        local = _ints(env, "MPI_LOCALRANKID", "MPI_LOCALNRANKS") or [0, 1]
+        return Launch("mpi", v[0], v[1], *local)
+    # SLURM_STEP_ID: inside an srun step, not merely in the batch script of an allocation.
+    if "SLURM_STEP_ID" in env and (v := _ints(env, "SLURM_PROCID", "SLURM_NTASKS",
+                                               "SLURM_LOCALID")) is not None:
+        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+        return Launch("slurm", *v, int(per_node) if per_node.isdigit() else v[1])
+    return Launch("single", 0, 1, 0, 1)
+
+
+def env_rank() -> int:
+    """This process's rank, readable before anything is initialised."""
+    return detect().rank
+
+
+def pick_device(preference: str, local_rank: int) -> torch.device:
+    """One process per GPU: the local rank picks the GPU. CPU where there is none."""
+    if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        from trainer.config import ConfigError
+
+        raise ConfigError("train.device=cuda, but torch sees no GPU on this machine; "
+                          "use train.device=auto or cpu")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def set_threads(threads: int | None, local_world_size: int) -> int:
+    """Split this machine's cores between its workers unless told otherwise."""
+    if threads is None:
+        threads = max(1, len(os.sched_getaffinity(0)) // max(1, local_world_size))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ------------------------------------------------------------------------- addresses
+
+
+def outward_address() -> str:
+    """An IPv4 address of this host that other hosts can reach (not loopback)."""
+    try:
+        addr = socket.gethostbyname(socket.gethostname())
+        if not addr.startswith("127."):
+            return addr
+    except OSError:
+        pass
+    # The hostname maps to loopback (Debian's 127.0.1.1): ask the interfaces instead.
+    try:
+        out = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=5)
+        for addr in out.stdout.split():
+            if "." in addr and not addr.startswith("127."):
+                return addr
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "127.0.0.1"
+
+
+def slurm_master_addr(env: dict[str, str]) -> str:
+    """SLURM puts task 0 on the first node of the allocation."""
+    if "MASTER_ADDR" in env:
+        return env["MASTER_ADDR"]
+    out = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]],
+                         capture_output=True, text=True, check=True)
+    return out.stdout.split()[0]

@@ -35,9 +35,11 @@ class Run:
     def checkpoints(self) -> list[Path]:
         return sorted((self.dir / "checkpoints").glob("ckpt-*.pt"))
 
-    def params(self) -> dict[str, torch.Tensor]:
-        """The model of the newest checkpoint."""
-        return torch.load(self.checkpoints()[-1], weights_only=True)["model"]
+    def params(self, step: int | None = None) -> dict[str, torch.Tensor]:
+        """The model of the checkpoint of ``step``, or of the newest one."""
+        path = self.checkpoints()[-1] if step is None else \
+            self.dir / "checkpoints" / f"ckpt-{step:09d}.pt"
+        return torch.load(path, weights_only=True)["model"]
 
 
 def run_trainer(run_dir: Path, *overrides: str, launcher: str = "single", nproc: int = 1,

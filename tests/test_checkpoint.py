@@ -68,7 +68,7 @@ def test_resume_path_verifies_the_file_and_refuses_a_corrupt_one(tmp_path):
     with pytest.raises(ConfigError, match="no such checkpoint"):
         find_resume(str(tmp_path / "nope.pt"), checkpoints)
     with pytest.raises(CorruptCheckpoint):
-        checkpoints.verify(tmp_path / "ckpt-000000010.json")
+        checkpoints.verify("ckpt-000000010.json", checkpoints.local)
 
 
 def test_resume_never_refuses_to_mix_with_existing_checkpoints(tmp_path):

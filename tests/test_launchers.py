@@ -85,8 +85,8 @@ def test_make_train(tmp_path, engine):
     check_summary(run, engine)
 
 
-def test_horovodrun_check_build_shows_pytorch_gloo_and_mpi():
-    out = subprocess.run([str(BIN / "horovodrun"), "-cb"], capture_output=True, text=True,
-                         env=local_environment(), check=True).stdout
-    assert "[X] PyTorch" in out and "[X] Gloo" in out and "[X] MPI" in out
+def test_horovod_is_built_with_pytorch_gloo_and_mpi():
+    # What `horovodrun -cb` prints, asked of the library itself.
+    import horovod.torch as hvd
 
+    assert hvd.gloo_built() and hvd.mpi_built()

@@ -134,14 +134,25 @@ class TrainConfig:
     eval_batch_size: int = 1000
     eval_every_steps: int = 0  # 0: evaluate at each epoch end (and at the end of the run)
     device: str = "auto"  # auto | cpu | cuda
+    # float64 makes float rounding too small to flip a ReLU or max-pool decision, so
+    # runs that must match (N workers vs 1, engine vs engine) match to 1e-10.
+    dtype: str = "float32"  # float32 | float64
     threads: int | None = None  # torch threads per worker; default: cores / local workers
 
 
 @dataclass
 class CheckpointConfig:
     dir: str = "${hydra:runtime.output_dir}/checkpoints"
+    uri: str | None = None  # s3://bucket/prefix: every checkpoint uploaded there too
     every_steps: int = 0  # 0: only at each epoch end and at the end of the run
     keep: int = 3
+
+
+@dataclass
+class PreemptionConfig:
+    imds: bool = True  # poll the instance metadata service for spot notices (on EC2)
+    poll_seconds: float = 5.0
+    check_every_steps: int = 1  # steps between the ranks' votes (one tiny allreduce)
 
 
 @dataclass
@@ -160,6 +171,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     resume: str = "auto"  # auto | never | PATH of a checkpoint file
 
@@ -226,6 +238,7 @@ def validate(cfg: DictConfig) -> None:
         one_of("engine.name", cfg.engine.name, ENGINES),
         one_of("engine.backend", cfg.engine.backend, BACKENDS),
         one_of("train.device", cfg.train.device, DEVICES),
+        one_of("train.dtype", cfg.train.dtype, ("float32", "float64")),
     ])
     if cfg.engine.name == "horovod":
         problems += filter(None, [
@@ -250,6 +263,8 @@ def validate(cfg: DictConfig) -> None:
         "engine.timeout_s": cfg.engine.timeout_s,
         "checkpoint.keep": cfg.checkpoint.keep,
         "telemetry.log_every": cfg.telemetry.log_every,
+        "preemption.poll_seconds": cfg.preemption.poll_seconds,
+        "preemption.check_every_steps": cfg.preemption.check_every_steps,
     }
     if cfg.train.max_steps is not None:
         positive["train.max_steps"] = cfg.train.max_steps
@@ -286,6 +301,9 @@ def validate(cfg: DictConfig) -> None:
     if cfg.model.name == "cifar_resnet":
         need(cfg.model.depth >= 8 and (cfg.model.depth - 2) % 6 == 0,
              f"model.depth={cfg.model.depth}: a CIFAR ResNet has depth 6n+2 (20, 32, 44, 56, 110)")
+    if cfg.checkpoint.uri is not None:
+        need(str(cfg.checkpoint.uri).startswith("s3://") and len(cfg.checkpoint.uri) > 5,
+             f"checkpoint.uri={cfg.checkpoint.uri}: expected s3://bucket/prefix")
     need(cfg.resume in ("auto", "never") or str(cfg.resume).endswith(".pt"),
          f"resume={cfg.resume}: must be auto, never, or the path of a checkpoint (.pt) file")
 

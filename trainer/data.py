@@ -70,7 +70,8 @@ class Batches:
     """Training and evaluation batches of one dataset for one rank."""
 
     def __init__(self, dataset: Dataset, *, global_batch: int, rank: int, world_size: int,
-                 accumulation: int, seed: int, augment: bool, device: torch.device) -> None:
+                 accumulation: int, seed: int, augment: bool, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> None:
         if global_batch > len(dataset.train):
             raise ValueError(f"global batch {global_batch} is larger than the training set "
                              f"({len(dataset.train)} samples)")
@@ -78,8 +79,8 @@ class Batches:
         self.global_batch = global_batch
         self.rank, self.world_size, self.accumulation = rank, world_size, accumulation
         self.seed, self.augment, self.device = seed, augment, device
-        mean = torch.tensor(dataset.mean, device=device).view(1, -1, 1, 1)
-        std = torch.tensor(dataset.std, device=device).view(1, -1, 1, 1)
+        mean = torch.tensor(dataset.mean, device=device, dtype=dtype).view(1, -1, 1, 1)
+        std = torch.tensor(dataset.std, device=device, dtype=dtype).view(1, -1, 1, 1)
         # uint8 -> normalised float in one multiply-add: x / 255 / std - mean / std.
         self._scale, self._shift = 1 / (255 * std), -mean / std
 
@@ -127,7 +128,7 @@ class Batches:
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def _normalise(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.addcmul(self._shift, x.float(), self._scale)
+        return torch.addcmul(self._shift, x.to(self._scale.dtype), self._scale)
 
 
 def crop_and_flip(x: torch.Tensor, crops: torch.Tensor, flips: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,8 @@ Exit codes (the launcher acts on them; the constants below):
     1   failed (a traceback says why)
     2   bad configuration or data; nothing was started
     69  a rank died or stopped answering; the message names it where it can
+    75  preempted: a spot interruption notice or SIGTERM; a checkpoint was written,
+        run the same command again (resume=auto) to continue
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import datasets, engines, runtime
-from trainer.checkpoint import Checkpoints, check_compatible, find_resume, write_atomic
+from trainer.checkpoint import Checkpoints, check_compatible, find_resume
 from trainer.config import ConfigError, global_batch, validate
 from trainer.loop import Trainer
+from trainer.preemption import Preempted
+from trainer.stores import write_atomic
 
 log = logging.getLogger("trainer")
 
@@ -40,6 +44,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1  # a bug or an unexpected error: see the traceback
 EXIT_CONFIG = 2  # bad input; nothing was started
 EXIT_PEER_LOST = 69  # a collective failed because a rank died or hung (EX_UNAVAILABLE)
+EXIT_PREEMPTED = 75  # a spot notice (or SIGTERM) stopped the run after a checkpoint
 
 
 
@@ -56,6 +61,13 @@ def run(cfg: DictConfig) -> int:
         resume = engine.broadcast_object(_load(found))
         trainer = Trainer(cfg, engine, dataset, _run_dir(), checkpoints, resume)
         summary = trainer.fit()
+    except Preempted as e:
+        log.warning("%s; exit %d: run again with resume=auto to continue", e, EXIT_PREEMPTED)
+        if engine.rank == 0:  # for launchers that do not pass exit codes on (torchrun)
+            write_atomic(_run_dir() / "preempted.json", json.dumps(
+                {"reason": e.reason, "step": e.step, "checkpoint": e.checkpoint}).encode())
+        engine.shutdown()
+        return EXIT_PREEMPTED
     except Exception as e:
         if not _is_collective_failure(e):
             raise
@@ -86,9 +98,11 @@ def _prepare(cfg: DictConfig, launch: runtime.Launch):
             f"global batch {batch} (train.batch_size={cfg.train.batch_size} x "
             f"{launch.world_size} workers x train.accumulation={cfg.train.accumulation}) "
             f"is larger than the {len(dataset.train)} training samples of {dataset.name}")
-    checkpoints = Checkpoints(cfg.checkpoint.dir, cfg.checkpoint.keep)
+    checkpoints = Checkpoints(cfg.checkpoint.dir, cfg.checkpoint.keep, cfg.checkpoint.uri)
     found = None
     if launch.rank == 0:  # only rank 0 reads checkpoints; the others get its copy
+        if checkpoints.remote is not None:
+            checkpoints.remote.check_access()
         found = find_resume(cfg.resume, checkpoints)
         if found is not None:
             check_compatible(found, OmegaConf.to_container(cfg.model, resolve=True),
@@ -99,7 +113,7 @@ def _prepare(cfg: DictConfig, launch: runtime.Launch):
 def _load(found) -> dict[str, Any] | None:
     if found is None:
         return None
-    return found.load() | {"source": str(found.path)}
+    return found.load() | {"source": found.location}
 
 
 def _run_dir() -> Path:
@@ -131,7 +145,7 @@ def _report(cfg: DictConfig, summary: dict[str, Any], checkpoints: Checkpoints) 
         "run_dir": str(run_dir),
         "tensorboard": str(run_dir / "tensorboard"),
         "metrics": str(run_dir / "metrics.jsonl"),
-        "checkpoints": str(checkpoints.dir),
+        "checkpoints": checkpoints.where,
     }
     write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
     log_file = run_dir / f"{HydraConfig.get().job.name}.log"

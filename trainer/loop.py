@@ -11,6 +11,7 @@ Every optimizer step:
                                                G = B x W x K samples of the global batch
     every log_every steps: metrics summed over ranks, logged by rank 0
     every checkpoint.every_steps and at each epoch end: checkpoint (rank 0 writes)
+    every step: the ranks vote on spot notices; on one, checkpoint and stop (exit 75)
 
 The loop knows neither the engine nor the launcher: it only calls the Engine interface.
 """
@@ -35,10 +36,13 @@ from trainer.data import Batch, Batches
 from trainer.datasets import Dataset
 from trainer.engines import Engine
 from trainer.models import build_model, l1_penalty
+from trainer.preemption import Preempted, Preemption
 from trainer.schedule import LRSchedule, build_optimizer
 from trainer.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 @dataclass
@@ -90,6 +94,7 @@ class Trainer:
             dataset, global_batch=self.global_batch, rank=engine.rank,
             world_size=engine.world_size, accumulation=cfg.train.accumulation,
             seed=cfg.train.seed, augment=cfg.dataset.augment, device=engine.device,
+            dtype=DTYPES[cfg.train.dtype],
         )
         self.schedule = LRSchedule.from_config(cfg, self.global_batch, self.batches.steps_per_epoch)
         self.total_steps = cfg.train.epochs * self.batches.steps_per_epoch
@@ -98,7 +103,8 @@ class Trainer:
 
         # The same seed on every rank gives every rank the same initial weights.
         runtime.seed_all(cfg.train.seed)
-        model = build_model(cfg.model, dataset.shape, dataset.num_classes).to(engine.device)
+        model = build_model(cfg.model, dataset.shape, dataset.num_classes).to(
+            engine.device, DTYPES[cfg.train.dtype])
         optimizer = build_optimizer(cfg.optim, model.parameters())
         self.position = Position()
         self.resumed_from = None
@@ -112,12 +118,22 @@ class Trainer:
         self.telemetry = Telemetry(run_dir, engine.rank == 0, cfg.telemetry.progress,
                                    self.total_steps)
         self.stopwatch = Stopwatch(engine.device)
+        self._last_saved = "(written by rank 0)"
         # Running sums since the last log line, on the device: loss x n, correct, n.
         self._sums = torch.zeros(3, device=engine.device, dtype=torch.float64)
 
     # ----------------------------------------------------------------------- the loop
 
     def fit(self) -> dict[str, Any]:
+        """Train to the end (or train.max_steps), evaluate, checkpoint; raises Preempted."""
+        preemption = Preemption(self.cfg.preemption, self.engine, self.engine.local_rank)
+        try:
+            return self._fit(preemption)
+        finally:
+            preemption.close()
+            self.telemetry.close()
+
+    def _fit(self, preemption: Preemption) -> dict[str, Any]:
         pos, cfg = self.position, self.cfg
         start_step, last_log = pos.step, (pos.step, 0.0)
         saved_at = evaluated_at = None
@@ -142,6 +158,11 @@ class Trainer:
                     test, evaluated_at = self.evaluate(), pos.step
                 if _every(pos.step, cfg.checkpoint.every_steps):
                     saved_at = self._checkpoint()
+                decision = preemption.decide()
+                if (decision.stop or decision.checkpoint) and saved_at != pos.step:
+                    saved_at = self._checkpoint()
+                if decision.stop:
+                    raise Preempted(decision.stop, pos.step, self._last_saved)
                 if pos.step >= self.total_steps:
                     break
             self.stopwatch.pause()
@@ -158,7 +179,6 @@ class Trainer:
             test = self.evaluate()
         if saved_at != pos.step:
             self._checkpoint()
-        self.telemetry.close()
         steps = pos.step - start_step
         seconds = self.stopwatch.total
         return {
@@ -202,7 +222,7 @@ class Trainer:
 
     def _log_interval(self, last: tuple[int, float], lr: float) -> tuple[int, float]:
         """Loss and accuracy over all ranks since the last log line (one small allreduce)."""
-        sums = self.engine.all_reduce_sum(self._sums).tolist()
+        sums = self.engine.all_reduce_sum(self._sums, "train_metrics").tolist()
         self._sums.zero_()
         now = self.stopwatch.read()
         step = self.position.step
@@ -223,7 +243,7 @@ class Trainer:
                                  (logits.argmax(1) == y).sum(),
                                  torch.tensor(len(y), device=y.device)])
         self.raw_model.train()
-        loss, correct, n = self.engine.all_reduce_sum(sums).tolist()
+        loss, correct, n = self.engine.all_reduce_sum(sums, "test_metrics").tolist()
         result = {"loss": loss / n, "accuracy": correct / n}
         step = self.position.step
         self.telemetry.test(step, step / self.batches.steps_per_epoch, self.stopwatch.total,
@@ -251,8 +271,10 @@ class Trainer:
                 "dataset": self.cfg.dataset.name,
                 "world_size": self.world_size, "global_batch": self.global_batch,
             }
-            path = self.checkpoints.save(state, meta)
-            log.info("checkpoint written: %s", path)
+            started = time.perf_counter()
+            self._last_saved = self.checkpoints.save(state, meta)
+            log.info("checkpoint written in %.2f s: %s", time.perf_counter() - started,
+                     self._last_saved)
         return self.position.step
 
     def _restore(self, state: dict[str, Any], model: torch.nn.Module,

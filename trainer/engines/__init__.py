@@ -4,7 +4,7 @@
     model, optimizer = engine.prepare(model, optimizer, accumulation)
     with engine.no_sync(model): ...backward...    # micro-steps before the last
     optimizer.step()                              # gradients are averaged by now
-    engine.all_reduce_sum(metrics)                # numbers for the logs
+    engine.all_reduce_sum(metrics, "metrics")     # numbers for the logs
 
 PyTorch DDP (engine=ddp) averages in backward hooks over bucketed gradients; Horovod
 (engine=horovod) does it in its DistributedOptimizer. Both run a ring allreduce,
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -44,7 +43,8 @@ class Engine(abc.ABC):
         return contextlib.nullcontext()
 
     @abc.abstractmethod
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def all_reduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Sum over ranks, in place. ``name`` tells Horovod which tensor this is."""
 
     @abc.abstractmethod
     def broadcast_object(self, obj: Any) -> Any:
@@ -59,13 +59,6 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def shutdown(self) -> None: ...
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[Engine]:
-        try:
-            yield self
-        finally:
-            self.shutdown()
 
 
 def create(cfg: DictConfig, launch: Launch, device: torch.device) -> Engine:

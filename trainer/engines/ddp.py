@@ -159,7 +159,7 @@ class DDPEngine(Engine):
             return model.no_sync()
         return super().no_sync(model)
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+    def all_reduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         if self.world_size > 1:
             dist.all_reduce(tensor)
         return tensor

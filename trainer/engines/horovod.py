@@ -82,8 +82,8 @@ class HorovodEngine(Engine):
         )
         return model, optimizer
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.hvd.allreduce_(tensor, op=self.hvd.Sum, name="spotring.metrics")
+    def all_reduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        return self.hvd.allreduce_(tensor, op=self.hvd.Sum, name=f"spotring.{name}")
 
     def broadcast_object(self, obj: Any) -> Any:
         return self.hvd.broadcast_object(obj, root_rank=0)

@@ -1,0 +1,242 @@
+"""Spot-proof training: interruption notices, checkpoints on S3, resuming anywhere.
+
+The instance metadata service is a loopback stub (tests/imds.py): nothing real serves
+it off EC2. S3 is a real moto server on 127.0.0.1 speaking HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import boto3
+import pytest
+import torch
+
+from launch.commands import local_command, local_environment
+from tests.conftest import QUICK, REPO, Run, assert_close, run_trainer
+from tests.imds import MetadataStub
+from trainer.checkpoint import Checkpoints, find_resume
+
+# 6400 synthetic samples, 2 workers x 32: 100 steps per epoch, 2 epochs; long enough
+# for a notice to arrive mid-run, short enough for the suite.
+RUN = ["dataset=synthetic", "dataset.shape=[1,28,28]", "dataset.train_size=6400",
+       "dataset.test_size=200", "train.epochs=2", "train.threads=1", "telemetry.log_every=5",
+       "preemption.poll_seconds=0.5", "train.dtype=float64"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server on 127.0.0.1 and the environment that points boto3 at it."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        boto3.client("s3").create_bucket(Bucket="spotring")
+        yield env
+    server.stop()
+
+
+class Job:
+    """A 2-rank mpirun job (mpirun passes the ranks' exit code on), watched as it runs."""
+
+    def __init__(self, run_dir: Path, overrides: list[str], env: dict[str, str]) -> None:
+        self.run_dir = run_dir
+        args = [f"hydra.run.dir={run_dir}", *QUICK, *RUN, "train.batch_size=32", *overrides]
+        self.proc = subprocess.Popen(local_command("mpirun", 2, args), cwd=REPO,
+                                     env=local_environment(**env), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+
+    def steps_done(self) -> int:
+        """The newest step rank 0 logged in metrics.jsonl (a lower bound)."""
+        path = self.run_dir / "metrics.jsonl"
+        steps = [json.loads(line)["step"] for line in path.read_text().splitlines()
+                 if line.endswith("}")] if path.exists() else []
+        return max(steps, default=0)
+
+    def wait_for_step(self, step: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while self.steps_done() < step:
+            assert self.proc.poll() is None, "".join(self.lines)
+            assert time.monotonic() < deadline, "".join(self.lines)
+            time.sleep(0.05)
+
+    def finish(self, timeout: float = 120) -> Run:
+        self.proc.wait(timeout=timeout)
+        time.sleep(0.2)  # let the reader thread drain the pipe
+        return Run(self.run_dir, subprocess.CompletedProcess(self.proc.args, self.proc.returncode,
+                                                              "".join(self.lines), ""))
+
+
+def newest_checkpoint_step(directory: Path) -> int:
+    found = find_resume("auto", Checkpoints(directory, keep=3))
+    return found.manifest["step"] if found else -1
+
+
+@pytest.mark.slow
+def test_notice_checkpoints_at_once_exits_75_and_resumes_on_one_worker_exactly(tmp_path, train):
+    whole = train("whole", *RUN, "train.batch_size=32", launcher="mpirun", nproc=2)
+    imds = MetadataStub()
+    try:
+        job = Job(tmp_path / "spot", [], {"AWS_EC2_METADATA_SERVICE_ENDPOINT": imds.url})
+        job.wait_for_step(40)
+        announced = imds.announce_interruption()
+        before = job.steps_done()
+        # The checkpoint of the step where the ranks agreed to stop lands within seconds.
+        while newest_checkpoint_step(tmp_path / "spot" / "checkpoints") < before:
+            assert time.monotonic() - announced < 120, "no checkpoint within the 2 minutes"
+            time.sleep(0.05)
+        landed = time.monotonic() - announced
+        run = job.finish()
+    finally:
+        imds.close()
+    assert run.proc.returncode == 75, run.output[-4000:]
+    assert landed < 10, f"checkpoint {landed:.1f} s after the notice"
+    print(f"\ncheckpoint landed {landed:.2f} s after the interruption notice")
+    preempted = json.loads((run.dir / "preempted.json").read_text())
+    assert preempted["reason"].startswith("spot terminate notice")
+    stopped_at = preempted["step"]
+    assert before <= stopped_at < 200 and newest_checkpoint_step(run.dir / "checkpoints") \
+        == stopped_at
+    assert any(m == "GET" and token for m, _, token in imds.requests)  # IMDSv2, with a token
+    assert all(token for m, _, token in imds.requests if m == "GET")
+
+    # The replacement has one worker: same global batch (32 x 1 x 2), same samples.
+    resumed = train("spot", *RUN, "train.batch_size=32", "train.accumulation=2")
+    assert f"resumed at step {stopped_at}" in resumed.output
+    assert resumed.summary["steps"] == 200 and resumed.summary["world_size"] == 1
+    assert_close(resumed.params(), whole.params(), rtol=1e-10)  # float64: see test_equivalence
+
+
+@pytest.mark.slow
+def test_sigterm_is_a_notice_too(tmp_path):
+    job = Job(tmp_path, [], {})
+    job.wait_for_step(20)
+    ranks = subprocess.run(["pgrep", "-P", str(job.proc.pid), "-f", "python"],
+                           capture_output=True, text=True).stdout.split()
+    assert ranks, "no rank processes under mpirun"
+    subprocess.run(["kill", "-TERM", ranks[-1]], check=True)  # one rank, as the OS does
+    run = job.finish()
+    assert run.proc.returncode == 75, run.output[-4000:]
+    assert json.loads((tmp_path / "preempted.json").read_text())["step"] >= 20
+
+
+@pytest.mark.slow
+def test_kill_9_without_notice_loses_at_most_every_steps(tmp_path, train):
+    job = Job(tmp_path / "run", ["checkpoint.every_steps=10", "engine.timeout_s=20"], {})
+    job.wait_for_step(35)
+    done = job.steps_done()
+    ranks = subprocess.run(["pgrep", "-P", str(job.proc.pid), "-f", "python"],
+                           capture_output=True, text=True).stdout.split()
+    subprocess.run(["kill", "-KILL", ranks[-1]], check=True)
+    run = job.finish(timeout=60)
+    assert run.proc.returncode != 0
+    resumed = train("run", *RUN, "train.batch_size=32", "train.max_steps=60",
+                    launcher="mpirun", nproc=2)
+    step = int(resumed.output.split("resumed at step ")[1].split()[0])
+    assert done - 10 <= step, f"resumed at {step}, but {done} steps were done when killed"
+    assert resumed.summary["steps"] == 60
+
+
+# ------------------------------------------------------------------------------- S3
+
+
+def big_state(step: int) -> dict:
+    # 40 MB: uploaded in three parts of 16 MB (stores.PART_BYTES).
+    return {"model": {"w": torch.full((10 * 1024 * 1024,), float(step))}, "step": step}
+
+
+def save(checkpoints: Checkpoints, step: int) -> None:
+    checkpoints.save(big_state(step), {"step": step, "epoch": 0, "offset": 0,
+                                       "model": {"name": "convnet"}, "dataset": "mnist"})
+
+
+def test_s3_checkpoints_resume_on_a_new_node_and_a_cut_upload_is_never_picked(tmp_path, s3):
+    uri = "s3://spotring/runs/a"
+    first_node = Checkpoints(tmp_path / "node1", keep=2, uri=uri)
+    save(first_node, 10)
+    save(first_node, 20)
+
+    # The upload of step 30 is cut off after its first 16 MB part.
+    original = first_node.remote.client.upload_part
+
+    def cut(*args, **kwargs):
+        if kwargs["PartNumber"] >= 2:
+            raise ConnectionResetError("the spot instance went away mid-upload")
+        return original(*args, **kwargs)
+
+    first_node.remote.client.upload_part = cut
+    with pytest.raises(Exception, match="went away"):
+        save(first_node, 30)
+    keys = [o["Key"] for o in boto3.client("s3").list_objects_v2(
+        Bucket="spotring", Prefix="runs/a/")["Contents"]]
+    assert "runs/a/ckpt-000000030.pt" not in keys and "runs/a/ckpt-000000030.json" not in keys
+
+    # A new node: empty disk, same S3 prefix.
+    second_node = Checkpoints(tmp_path / "node2", keep=2, uri=uri)
+    found = find_resume("auto", second_node)
+    assert found.manifest["step"] == 20 and found.location == f"{uri}/ckpt-000000020.pt"
+    assert torch.equal(found.load()["model"]["w"][:3], torch.full((3,), 20.0))
+
+    # Blob uploaded whole but its manifest never written: still invisible.
+    second_node.remote.client.put_object(Bucket="spotring", Key="runs/a/ckpt-000000040.pt",
+                                         Body=b"whatever")
+    assert find_resume("auto", second_node).manifest["step"] == 20
+    # A manifest whose object is corrupt is reported and skipped.
+    manifest = json.loads(second_node.remote.read("ckpt-000000020.json"))
+    second_node.remote.write("ckpt-000000050.json",
+                             json.dumps(manifest | {"file": "ckpt-000000040.pt"}).encode())
+    assert find_resume("auto", second_node).manifest["step"] == 20
+    assert sorted(k for k in second_node.remote.names() if k.endswith(".json")) == [
+        "ckpt-000000010.json", "ckpt-000000020.json", "ckpt-000000050.json"]
+
+
+@pytest.mark.slow
+def test_a_run_resumes_from_s3_on_a_fresh_machine(tmp_path, s3):
+    uri = ["checkpoint.uri=s3://spotring/runs/fresh", "dataset.train_size=640",
+           "train.batch_size=32"]
+    first = run_trainer(tmp_path / "one", *RUN, *uri, "train.max_steps=15", env=s3)
+    assert first.summary["checkpoints"].endswith("and s3://spotring/runs/fresh")
+    second = run_trainer(tmp_path / "two", *RUN, *uri, "train.max_steps=25", env=s3)
+    assert "resumed at step 15" in second.output and second.summary["steps"] == 25
+    assert second.summary["resumed_from"] == "s3://spotring/runs/fresh/ckpt-000000015.pt"
+
+
+def test_unreachable_bucket_fails_before_training(tmp_path, s3):
+    run = run_trainer(tmp_path / "run", "checkpoint.uri=s3://no-such-bucket/x",
+                      "train.max_steps=1", expect=2, env=s3)
+    assert "checkpoint.uri=s3://no-such-bucket/x: cannot reach bucket no-such-bucket" in \
+        run.output
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_sigterm_handler_is_restored(monkeypatch):
+    from omegaconf import OmegaConf
+
+    from trainer.preemption import Preemption
+
+    before = signal.getsignal(signal.SIGTERM)
+    cfg = OmegaConf.create({"imds": False, "poll_seconds": 1, "check_every_steps": 1})
+    watcher = Preemption(cfg, engine=None, local_rank=0)
+    assert signal.getsignal(signal.SIGTERM) != before
+    watcher.close()
+    assert signal.getsignal(signal.SIGTERM) == before

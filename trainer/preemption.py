@@ -1,0 +1,158 @@
+"""Spot interruption notices: watch for them, and agree on them at a step boundary.
+
+EC2 takes a spot instance back with a two-minute notice, published by the instance
+metadata service (IMDSv2), and at the end the OS sends SIGTERM. Every rank:
+
+    catches SIGTERM (the notice of last resort, and how launchers stop their workers);
+    on local rank 0 of each node, a thread polls every preemption.poll_seconds:
+        PUT  /latest/api/token                              an IMDSv2 session token
+        GET  /latest/meta-data/spot/instance-action         404, or {"action": "terminate",
+                                                            "time": ...}: stop
+        GET  /latest/meta-data/events/recommendations/rebalance
+                                                            404, or {"noticeTime": ...}:
+                                                            the risk went up: checkpoint now
+
+and at every step boundary the ranks add up their votes in one small allreduce, so all
+of them see the same answer at the same step. On "stop", rank 0 writes a checkpoint
+at once and the job exits with code 75 (preempted); the launcher replaces the node and
+resumes. The endpoint follows AWS_EC2_METADATA_SERVICE_ENDPOINT as boto does, so tests
+point it at a local server. Off EC2 the first token request fails within a second and
+the thread stops polling; SIGTERM still works.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+
+from trainer.engines import Engine
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ENDPOINT = "http://169.254.169.254"
+_TOKEN_TTL_SECONDS = 21600
+
+
+class Preempted(Exception):
+    """Raised by the loop once every rank agreed to stop and the checkpoint is written."""
+
+    def __init__(self, reason: str, step: int, checkpoint: str) -> None:
+        super().__init__(f"preempted ({reason}) at step {step}; checkpoint {checkpoint}")
+        self.reason, self.step, self.checkpoint = reason, step, checkpoint
+
+
+@dataclass
+class Decision:
+    stop: str | None  # why every rank stops now (a notice or a signal), or None
+    checkpoint: bool  # checkpoint now (a rebalance recommendation) and go on
+
+
+class Metadata:
+    """The instance metadata service, spoken IMDSv2 (a token on every request)."""
+
+    def __init__(self, endpoint: str, timeout: float = 1.0) -> None:
+        self.endpoint = endpoint.rstrip("/")
+        self.timeout = timeout
+        self._token: str | None = None
+        self._token_expires = 0.0
+
+    def _token_header(self) -> dict[str, str]:
+        if self._token is None or time.monotonic() > self._token_expires:
+            request = urllib.request.Request(
+                f"{self.endpoint}/latest/api/token", method="PUT",
+                headers={"X-aws-ec2-metadata-token-ttl-seconds": str(_TOKEN_TTL_SECONDS)})
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                self._token = response.read().decode()
+            self._token_expires = time.monotonic() + _TOKEN_TTL_SECONDS / 2
+        return {"X-aws-ec2-metadata-token": self._token}
+
+    def get(self, path: str) -> dict | None:
+        """The JSON document at meta-data/``path``, or None when there is none (404)."""
+        request = urllib.request.Request(f"{self.endpoint}/latest/meta-data/{path}",
+                                         headers=self._token_header())
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                return json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return None
+            if e.code == 401:  # the token expired early: get a new one next time
+                self._token = None
+            raise
+
+
+class Preemption:
+    """This rank's watcher, and the step-boundary vote of all ranks."""
+
+    def __init__(self, cfg: DictConfig, engine: Engine, local_rank: int) -> None:
+        self.cfg, self.engine = cfg, engine
+        self._stop: str | None = None
+        self._rebalance = threading.Event()
+        self._rebalance_handled = False
+        self._closed = threading.Event()
+        self._steps = 0
+        self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        if cfg.imds and local_rank == 0:
+            endpoint = os.environ.get("AWS_EC2_METADATA_SERVICE_ENDPOINT", DEFAULT_ENDPOINT)
+            self._thread = threading.Thread(target=self._watch, args=(Metadata(endpoint),),
+                                            name="spot-notice-watcher", daemon=True)
+            self._thread.start()
+
+    def _on_sigterm(self, signum, frame) -> None:
+        # Only set a flag: the step in progress finishes, then every rank agrees.
+        self._stop = self._stop or "SIGTERM"
+
+    def _watch(self, metadata: Metadata) -> None:
+        try:
+            metadata.get("spot/instance-action")
+        except (OSError, ValueError) as e:
+            log.debug("no instance metadata service at %s (%s): not watching for spot "
+                      "notices", metadata.endpoint, e)
+            return
+        log.info("watching %s for spot interruption notices every %g s",
+                 metadata.endpoint, self.cfg.poll_seconds)
+        while not self._closed.wait(self.cfg.poll_seconds):
+            try:
+                action = metadata.get("spot/instance-action")
+                if action is not None:
+                    self._stop = f"spot {action.get('action', 'interruption')} notice " \
+                                 f"for {action.get('time', 'soon')}"
+                    log.warning("%s", self._stop)
+                    return
+                if not self._rebalance.is_set() and metadata.get(
+                        "events/recommendations/rebalance") is not None:
+                    log.warning("rebalance recommendation: checkpointing now")
+                    self._rebalance.set()
+            except (OSError, ValueError) as e:  # a hiccup; the next poll may work
+                log.debug("instance metadata poll failed: %s", e)
+
+    def decide(self) -> Decision:
+        """Every rank's notices, added up: the same answer on all ranks (a collective).
+        Runs every preemption.check_every_steps steps; a decision is never undone."""
+        self._steps += 1
+        if self._steps % self.cfg.check_every_steps:
+            return Decision(None, False)
+        rebalance = self._rebalance.is_set() and not self._rebalance_handled
+        votes = torch.tensor([self._stop is not None, rebalance], dtype=torch.float32,
+                             device=self.engine.device)
+        stop_votes, rebalance_votes = self.engine.all_reduce_sum(votes, "preemption").tolist()
+        if stop_votes > 0:
+            return Decision(self._stop or "another rank received a notice", False)
+        if rebalance_votes > 0:
+            self._rebalance_handled = True
+            return Decision(None, True)
+        return Decision(None, False)
+
+    def close(self) -> None:
+        self._closed.set()
+        signal.signal(signal.SIGTERM, self._previous_handler)

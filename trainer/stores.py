@@ -1,0 +1,127 @@
+"""Where checkpoint files live: a local directory, and optionally S3.
+
+Both stores make each object complete-or-invisible on its own: the directory writes
+a temporary file and renames it; S3 shows an object only once its (multipart) upload
+completed, so an upload cut off midway leaves nothing a reader can list. Ordering the
+writes (checkpoint first, manifest last; see checkpoint.py) makes a whole checkpoint
+complete-or-invisible on top of that.
+
+    checkpoint.dir=PATH                     always: rank 0's local copies
+    checkpoint.uri=s3://bucket/prefix       also: every checkpoint uploaded, so a new
+                                            node can resume after the old one vanished
+
+S3 is reached with boto3's usual configuration: credentials from the environment,
+~/.aws or the instance profile, AWS_ENDPOINT_URL for another endpoint (tests use a
+moto server on 127.0.0.1).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from pathlib import Path
+from urllib.parse import urlparse
+
+from trainer.config import ConfigError
+
+# Large checkpoints go up in parts of this size, several at a time.
+PART_BYTES = 16 * 1024 * 1024
+
+
+class DirectoryStore:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.where = str(self.path)
+
+    def names(self) -> list[str]:
+        if not self.path.is_dir():
+            return []
+        return [p.name for p in self.path.iterdir() if not p.name.startswith(".")]
+
+    def read(self, name: str) -> bytes:
+        return (self.path / name).read_bytes()
+
+    def write(self, name: str, data: bytes) -> None:
+        write_atomic(self.path / name, data)
+
+    def delete(self, name: str) -> None:
+        (self.path / name).unlink(missing_ok=True)
+
+    def location(self, name: str) -> str:
+        return str(self.path / name)
+
+
+class S3Store:
+    def __init__(self, uri: str) -> None:
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+
+        parsed = urlparse(uri)
+        if parsed.scheme != "s3" or not parsed.netloc:
+            raise ConfigError(f"checkpoint.uri={uri}: expected s3://bucket/prefix")
+        self.bucket = parsed.netloc
+        self.prefix = parsed.path.strip("/")
+        self.where = uri.rstrip("/")
+        self.client = boto3.client("s3")
+        self.transfer = TransferConfig(multipart_threshold=PART_BYTES,
+                                       multipart_chunksize=PART_BYTES)
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def check_access(self) -> None:
+        """Fail before training, not at the first checkpoint, when S3 is out of reach."""
+        import botocore.exceptions
+
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as e:
+            raise ConfigError(
+                f"checkpoint.uri={self.where}: cannot reach bucket {self.bucket} ({e}). "
+                "Check the bucket name, the AWS credentials (environment, ~/.aws, or the "
+                "instance profile) and AWS_ENDPOINT_URL if you use another endpoint.") from e
+
+    def names(self) -> list[str]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self._key(""))
+        start = len(self._key(""))
+        return [obj["Key"][start:] for page in pages for obj in page.get("Contents", [])]
+
+    def read(self, name: str) -> bytes:
+        return self.client.get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read()
+
+    def write(self, name: str, data: bytes | io.RawIOBase) -> None:
+        body = io.BytesIO(data) if isinstance(data, bytes) else data
+        # Multipart above PART_BYTES; a failed upload is aborted and never listed.
+        self.client.upload_fileobj(body, self.bucket, self._key(name), Config=self.transfer)
+
+    def delete(self, name: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(name))
+
+    def location(self, name: str) -> str:
+        return f"s3://{self.bucket}/{self._key(name)}"
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

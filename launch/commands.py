@@ -36,14 +36,19 @@ def local_command(launcher: str, nproc: int, args: list[str],
     raise ValueError(f"launcher {launcher!r}: valid: {', '.join(LAUNCHERS)}")
 
 
+# What every launcher gets, here and on cluster nodes (launch.job_command): Open MPI
+# refuses root unless told (containers, CI and the local cluster run as root), and
+# unbuffered output so that rank 0's lines stream as they are printed.
+LAUNCHER_ENV = {
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
 def local_environment(**extra: str) -> dict[str, str]:
     """This environment, with the venv's launchers first and Open MPI allowed as root."""
     env = dict(os.environ)
-    env.update(
-        PATH=f"{BIN}:{env.get('PATH', '')}",
-        OMPI_ALLOW_RUN_AS_ROOT="1",
-        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        PYTHONUNBUFFERED="1",
-    )
+    env.update(PATH=f"{BIN}:{env.get('PATH', '')}", **LAUNCHER_ENV)
     env.update(extra)
     return env

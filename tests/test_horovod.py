@@ -90,6 +90,21 @@ def test_accumulation_under_horovod_equals_the_larger_batch(train, ddp):
 
 
 @pytest.mark.slow
+def test_resume_under_horovod_broadcasts_rank_0s_checkpoint(train):
+    short = ["dataset=synthetic", "dataset.shape=[1,28,28]", "train.batch_size=16",
+             "engine=horovod", "engine.timeout_s=60"]
+    train("run", *short, "train.max_steps=3", launcher="horovodrun", nproc=2)
+    # Only rank 0 holds a checkpoint; the others receive it.
+    resumed = train("run", *short, "train.max_steps=5", launcher="horovodrun", nproc=2,
+                    timeout=120)
+    assert "resumed at step 3" in resumed.output and resumed.summary["steps"] == 5
+    # And a run resumed at its very end finishes at once.
+    again = train("run", *short, "train.max_steps=5", launcher="horovodrun", nproc=2,
+                  timeout=120)
+    assert again.summary["steps"] == 5 and again.summary["steps_this_run"] == 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["horovodrun", "mpirun"])
 def test_killed_rank_ends_the_horovod_job(tmp_path, launcher):
     args = [f"hydra.run.dir={tmp_path}", *QUICK, "engine=horovod", "engine.timeout_s=20",

@@ -261,6 +261,7 @@ class Trainer:
                 "model": self.raw_model.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "position": asdict(pos),
+                "global_batch": self.global_batch,
                 "schedule": {"step": pos.step, "peak_lr": self.schedule.peak_lr},
                 "rng": rng,
                 "config": OmegaConf.to_container(self.cfg, resolve=True),
@@ -290,3 +291,14 @@ class Trainer:
             runtime.seed_all(hash((self.cfg.train.seed, self.engine.rank, self.position.step)))
         log.info("resumed at step %d (epoch %d, sample %d of its order)",
                  self.position.step, self.position.epoch + 1, self.position.offset)
+        before = state.get("global_batch", self.global_batch)
+        if before != self.global_batch:
+            log.warning("the checkpoint was trained with global batch %d, this run has %d: "
+                        "the steps now group other samples and the LR scales to the new batch; "
+                        "keep the global batch with train.accumulation to continue the same "
+                        "run", before, self.global_batch)
+        elif len(rngs) != self.world_size:
+            log.info("%d workers now, %d before; global batch %d kept (%d x %d x %d): "
+                     "the same samples in the same steps", self.world_size, len(rngs),
+                     self.global_batch, self.cfg.train.batch_size, self.world_size,
+                     self.cfg.train.accumulation)

@@ -85,11 +85,14 @@ class HorovodEngine(Engine):
     def all_reduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         return self.hvd.allreduce_(tensor, op=self.hvd.Sum, name=f"spotring.{name}")
 
+    # Explicit names: Horovod's default is the object's type name, which differs when
+    # rank 0 sends a checkpoint (a dict) and the others pass None, and then they wait
+    # for each other's differently named broadcasts forever.
     def broadcast_object(self, obj: Any) -> Any:
-        return self.hvd.broadcast_object(obj, root_rank=0)
+        return self.hvd.broadcast_object(obj, root_rank=0, name="spotring.object")
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        return self.hvd.allgather_object(obj)
+        return self.hvd.allgather_object(obj, name="spotring.objects")
 
     def describe_failure(self, error: BaseException) -> str:
         return (f"rank {self.rank}: a Horovod collective failed; horovodrun or mpirun names "

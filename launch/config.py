@@ -1,0 +1,211 @@
+"""The launcher's structured configs (Hydra schemas) and the checks that need no network.
+
+conf/launch.yaml picks a cluster (conf/cluster/aws_spot.yaml or local.yaml); the
+dataclasses here fix the keys and their types, so `cluster.instance_type=g5.xlarge`
+(a typo of instance_types) fails in Hydra before anything runs. ``validate`` then
+checks what types cannot, offline: the region and instance types against botocore's
+own lists, the SSH CIDR, the counts. The checks that need AWS (credentials, the
+subnet's zone, the AMI) are the provider's ``check``; both run before any resource
+exists. The launcher's config is its own root: `python -m trainer` never sees it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
+from omegaconf import II, MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from trainer.config import ConfigError, one_of
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CLUSTERS = ("aws_spot", "local")
+LAUNCHERS = ("horovodrun", "mpirun", "torchrun")
+
+# ----------------------------------------------------------------------------- schemas
+
+
+@dataclass
+class ClusterConfig:
+    name: str = MISSING
+    ssh_user: str = MISSING
+    # Shell command run in the workdir of every node before the job (install what the
+    # image lacks); empty: nothing to do.
+    setup: str = ""
+    ssh_timeout_s: float = 300.0  # for sshd to answer on new nodes
+    max_nodes: int = 16  # a guard against NODES=80 meant as 8
+    # Spot preemption recovery: restart on replacement nodes up to max_restarts times,
+    # on no fewer than min_nodes nodes.
+    max_restarts: int = 0
+    min_nodes: int = II("nodes")
+
+
+@dataclass
+class AwsSpotConfig(ClusterConfig):
+    region: str = "us-east-1"
+    zones: list[str] = field(default_factory=list)  # empty: every zone of the region
+    instance_types: list[str] = field(default_factory=lambda: ["g5.xlarge"])  # preferred first
+    ami: str | None = None  # an AMI id; else the one the SSM parameter names
+    ami_ssm_parameter: str = MISSING
+    subnet: str | None = None  # a subnet id; default: the default VPC's subnet of each zone
+    max_price: float | None = None  # $/hour per instance; None: up to the on-demand price
+    on_demand_fallback: bool = False  # when no spot capacity is found anywhere
+    # Who may SSH to the nodes; None: this machine's public address /32, asked of
+    # checkip.amazonaws.com. Never 0.0.0.0/0.
+    ssh_cidr: str | None = None
+    placement_group: bool = True  # a cluster placement group where the types support it
+    volume_gb: int = 100
+    workdir: str = MISSING  # where the code goes, the same path on every node
+    wait_timeout_s: float = 900.0  # for running + status checks ok
+    poll_s: float = 10.0
+
+
+@dataclass
+class LocalClusterConfig(ClusterConfig):
+    """Nodes are network namespaces on this machine, each with its own sshd (root only)."""
+
+    slots: int = 1  # ranks per node
+    subnet: str = "10.213.0.0/16"  # each run takes a free /24 of it
+
+
+@dataclass
+class JobConfig:
+    launcher: str = "horovodrun"  # horovodrun | mpirun | torchrun
+    args: list[str] = field(default_factory=list)  # trainer overrides (also: after `--`)
+
+
+@dataclass
+class LaunchConfig:
+    cluster: ClusterConfig = MISSING
+    job: JobConfig = field(default_factory=JobConfig)
+    nodes: int = 1
+    run_id: str | None = None  # run, status, down, cost: default the newest run
+    runs_dir: str = "runs/launch"
+    project: str = "spotring"  # the value of every resource's `project` tag
+
+
+_SCHEMAS = {"aws_spot": AwsSpotConfig, "local": LocalClusterConfig}
+
+
+def register() -> None:
+    """Schemas where conf/launch.yaml and conf/cluster/*.yaml extend them."""
+    cs = ConfigStore.instance()
+    cs.store(name="launch_schema", node=LaunchConfig)
+    for name, node in _SCHEMAS.items():
+        cs.store(group="schema/cluster", name=name, node=node)
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """conf/launch.yaml with Hydra overrides; a bad override is a ConfigError."""
+    register()
+    try:
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            return hydra_compose("launch", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        cause = f": {e.__cause__}" if e.__cause__ else ""
+        raise ConfigError(f"{e}{cause}\nSee conf/launch.yaml and conf/cluster/, or the plan "
+                          "of a command line with `python -m launch up --dry-run`.") from e
+
+
+def with_saved_cluster(cfg: DictConfig, saved: Path) -> DictConfig:
+    """``cfg`` with the cluster and node count a run was brought up with: a run's
+    nodes, region and tags do not change after `up`, whatever later commands say."""
+    old = OmegaConf.load(saved)
+    cfg.cluster = OmegaConf.merge(OmegaConf.structured(_SCHEMAS[old.cluster.name]), old.cluster)
+    cfg.nodes = old.nodes
+    return cfg
+
+
+# -------------------------------------------------------------------------- validation
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ConfigError listing every problem that needs no network, or return."""
+    c = cfg.cluster
+    problems = list(filter(None, [
+        one_of("cluster", c.name, CLUSTERS),
+        one_of("job.launcher", cfg.job.launcher, LAUNCHERS),
+    ]))
+
+    def need(ok: bool, line: str) -> None:
+        if not ok:
+            problems.append(line)
+
+    need(1 <= cfg.nodes <= c.max_nodes,
+         f"nodes={cfg.nodes}: must be from 1 to cluster.max_nodes={c.max_nodes}")
+    need(cfg.nodes < 1 or 1 <= c.min_nodes <= cfg.nodes,
+         f"cluster.min_nodes={c.min_nodes}: must be from 1 to nodes={cfg.nodes}")
+    need(c.max_restarts >= 0, f"cluster.max_restarts={c.max_restarts}: must be 0 or more")
+    need(c.ssh_timeout_s > 0, f"cluster.ssh_timeout_s={c.ssh_timeout_s}: must be positive")
+    if c.name == "aws_spot":
+        problems += _aws_problems(c)
+    elif c.name == "local":
+        need(c.slots >= 1, f"cluster.slots={c.slots}: must be 1 or more")
+        problems += filter(None, [_subnet_problem(c.subnet, cfg.nodes)])
+    if problems:
+        raise ConfigError("bad launch configuration:\n  - " + "\n  - ".join(problems)
+                          + "\nNothing was created. See conf/launch.yaml and conf/cluster/.")
+
+
+def _aws_problems(c: DictConfig) -> list[str]:
+    import botocore.session  # boto3's own lists of regions and instance types, offline
+
+    botocore = botocore.session.get_session()
+    regions = botocore.get_available_regions("ec2")
+    types = botocore.get_service_model("ec2").shape_for("InstanceType").enum
+    problems = list(filter(None, [one_of("cluster.region", c.region, regions)]))
+    problems += [_unknown("cluster.instance_types", t, types,
+                          "any EC2 instance type, e.g. g5.xlarge, g4dn.12xlarge, p4d.24xlarge")
+                 for t in c.instance_types if t not in types]
+    if not c.instance_types:
+        problems.append("cluster.instance_types=[]: name at least one, e.g. [g5.xlarge]")
+    problems += [f"cluster.zones: {z} is not a zone of cluster.region={c.region}"
+                 for z in c.zones if not (z.startswith(c.region) and len(z) == len(c.region) + 1)]
+    if c.ssh_cidr is not None:
+        problems += filter(None, [ssh_cidr_problem(c.ssh_cidr)])
+    if c.max_price is not None and c.max_price <= 0:
+        problems.append(f"cluster.max_price={c.max_price}: must be positive (or null)")
+    if c.ami is not None and not str(c.ami).startswith("ami-"):
+        problems.append(f"cluster.ami={c.ami}: expected an AMI id (ami-...) or null")
+    if c.volume_gb < 8:
+        problems.append(f"cluster.volume_gb={c.volume_gb}: at least 8 GB")
+    if c.wait_timeout_s <= 0 or c.poll_s <= 0:
+        problems.append(f"cluster.wait_timeout_s={c.wait_timeout_s}, cluster.poll_s="
+                        f"{c.poll_s}: must be positive")
+    return problems
+
+
+def ssh_cidr_problem(cidr: str) -> str | None:
+    try:
+        net = ipaddress.ip_network(cidr, strict=False)
+    except ValueError:
+        return f"cluster.ssh_cidr={cidr}: not an address range; expected e.g. 203.0.113.7/32"
+    if net.prefixlen == 0:
+        return (f"cluster.ssh_cidr={cidr}: would open SSH to the whole internet; give your "
+                "own address, e.g. 203.0.113.7/32")
+    return None
+
+
+def _subnet_problem(subnet: str, nodes: int) -> str | None:
+    try:
+        net = ipaddress.ip_network(subnet)
+    except ValueError:
+        return f"cluster.subnet={subnet}: not an IPv4 network; expected e.g. 10.213.0.0/16"
+    if net.version != 4 or net.prefixlen > 24:
+        return f"cluster.subnet={subnet}: must be an IPv4 network of /24 or larger"
+    if nodes > 240:  # node i is .10+i of the run's /24
+        return f"nodes={nodes}: a local cluster holds at most 240 nodes"
+    return None
+
+
+def _unknown(key: str, value: str, valid: list[str], what: str) -> str:
+    close = difflib.get_close_matches(value, valid, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"{key}: {value}: unknown{hint}; valid: {what}"

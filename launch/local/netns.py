@@ -1,0 +1,126 @@
+"""The local cluster's network: one bridge per run, one network namespace per node.
+
+    this machine   bridge spr<h>b, 10.213.X.1/24 (X: a free /24 of cluster.subnet)
+    node i         namespace spotring-<run id>-<i>; its eth0 is 10.213.X.(10+i)/24,
+                   joined to the bridge by a veth pair whose other end is spr<h>h<i>
+
+<h> is a short hash of the run id: interface names have 15 characters at most. Every
+name starts with a fixed prefix, so `down --all-mine` finds strays by name alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import os
+import signal
+import subprocess
+import time
+
+NS_PREFIX = "spotring-"
+LINK_PREFIX = "spr"
+
+
+class Names:
+    def __init__(self, run_id: str):
+        self.ns_prefix = f"{NS_PREFIX}{run_id}-"
+        self.link_prefix = LINK_PREFIX + hashlib.sha1(run_id.encode()).hexdigest()[:6]
+        self.bridge = f"{self.link_prefix}b"
+
+    def ns(self, i: int) -> str:
+        return f"{self.ns_prefix}{i}"
+
+    def veth(self, i: int) -> str:
+        """This machine's end of node i's veth pair."""
+        return f"{self.link_prefix}h{i}"
+
+    def peer(self, i: int) -> str:
+        """The node's end, until it moves into the namespace as eth0."""
+        return f"{self.link_prefix}n{i}"
+
+
+def ip(*args: str) -> str:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def free_subnet(base: str, run_id: str) -> ipaddress.IPv4Network:
+    """A /24 of ``base`` that no interface here uses, chosen by the run id's hash so that
+    concurrent runs rarely try the same one."""
+    taken = [ipaddress.ip_interface(word).network for line in ip("-4", "-o", "addr").splitlines()
+             for word in line.split()[3:4]]
+    candidates = list(ipaddress.ip_network(base).subnets(new_prefix=24))
+    start = int(hashlib.sha1(run_id.encode()).hexdigest(), 16) % len(candidates)
+    for net in candidates[start:] + candidates[:start]:
+        if not any(net.overlaps(t) for t in taken):
+            return net
+    raise RuntimeError(f"cluster.subnet={base}: every /24 of it is in use here")
+
+
+def add_bridge(name: str, address: str) -> None:
+    ip("link", "add", name, "type", "bridge")
+    ip("addr", "add", address, "dev", name)
+    ip("link", "set", name, "up")
+
+
+def bridge_network(name: str) -> ipaddress.IPv4Network:
+    words = ip("-4", "-o", "addr", "show", "dev", name).split()
+    return ipaddress.ip_interface(words[3]).network
+
+
+def add_node(ns: str, veth: str, peer: str, bridge: str, address: str) -> None:
+    """Namespace ``ns`` with eth0 at ``address`` (a CIDR), plugged into ``bridge``."""
+    ip("netns", "add", ns)
+    ip("link", "add", veth, "type", "veth", "peer", "name", peer)
+    ip("link", "set", veth, "master", bridge)
+    ip("link", "set", veth, "up")
+    ip("link", "set", peer, "netns", ns)
+    # Every node's interface has the same name, as on identical machines: Horovod looks
+    # for interfaces common to all hosts.
+    ip("-n", ns, "link", "set", peer, "name", "eth0")
+    ip("-n", ns, "addr", "add", address, "dev", "eth0")
+    ip("-n", ns, "link", "set", "eth0", "up")
+    ip("-n", ns, "link", "set", "lo", "up")
+
+
+def namespaces(prefix: str) -> list[str]:
+    return sorted(line.split()[0] for line in ip("netns", "list").splitlines()
+                  if line.startswith(prefix))
+
+
+def links(prefix: str) -> list[str]:
+    names = (line.split(":")[1].strip().split("@")[0] for line in ip("-o", "link").splitlines())
+    return sorted(n for n in names if n.startswith(prefix))
+
+
+def delete_namespace(ns: str) -> list[int]:
+    """Stop every process in ``ns`` (its sshd, any job), then remove it; returns the pids."""
+    pids = [int(p) for p in ip("netns", "pids", ns).split()]
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
+        alive = [p for p in pids if _signal(p, sig)]
+        deadline = time.monotonic() + wait
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [p for p in alive if _signal(p, 0)]
+        if not alive:
+            break
+    ip("netns", "delete", ns)
+    return pids
+
+
+def delete_link(name: str) -> None:
+    ip("link", "delete", name)
+
+
+def _signal(pid: int, sig: int) -> bool:
+    """Send ``sig``; False if the process is gone (or a zombie nobody reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return False
+        os.kill(pid, sig)
+        return True
+    except (FileNotFoundError, ProcessLookupError):
+        return False

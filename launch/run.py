@@ -1,0 +1,104 @@
+"""`run`: the code onto the nodes, the trainer across them, the results back.
+
+    1. push the code into every node's workdir; hostfiles, key, known_hosts to node 0
+    2. cluster.setup on every node (on EC2 this builds the node's .venv)
+    3. the job command (launch.job_command) on node 0, or on every node for torchrun;
+       node 0's output streams here and into job.log, the others' into job-node-I.log
+    4. runs/<run id> back from node 0 into the run dir's job/, also after a failure
+
+Returns the trainer's exit code: 0 done, 1 failed, 2 bad input, 69 a rank was lost,
+75 preempted (see trainer/job.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import tarfile
+from collections import deque
+from contextlib import ExitStack
+
+from omegaconf import DictConfig
+
+from launch import job_command, sync
+from launch.provider import Node, Provider
+from launch.rundir import RunDir
+from launch.ssh import RemoteError, Ssh
+from trainer.config import ConfigError
+
+log = logging.getLogger("launch")
+
+
+def ssh_for(cfg: DictConfig, run: RunDir) -> Ssh:
+    return Ssh(cfg.cluster.ssh_user, run.key, run.known_hosts)
+
+
+def job_for(cfg: DictConfig, run: RunDir, provider: Provider,
+            nodes: list[Node]) -> job_command.JobCommand:
+    return job_command.build(cfg.job.launcher, nodes, provider.workdir, run.id, list(cfg.job.args))
+
+
+def run(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
+    nodes = run.nodes()
+    if not nodes or "destroyed_at" in run.state():
+        raise ConfigError(f"run {run.id} has no nodes (taken down, or never up): start a new "
+                          "run with `python -m launch up` or `launch`")
+    ssh = ssh_for(cfg, run)
+    job = job_for(cfg, run, provider, nodes)
+    count = sync.push(ssh, nodes, provider.workdir, run)
+    log.info("run: copied %d files to %s on %d nodes", count, provider.workdir, len(nodes))
+    if cfg.cluster.setup:
+        log.info("run: setting the nodes up: %s", cfg.cluster.setup)
+        sync.setup(ssh, nodes, provider.workdir, cfg.cluster.setup)
+    log.info("run: on node 0 (%s): %s", nodes[0].address, job.commands[0])
+    try:
+        code = _start(ssh, nodes, job, run)
+    except BaseException:
+        try:  # what there is, without hiding why the job stopped
+            _bring_back(ssh, nodes[0], provider.workdir, run)
+        except (RemoteError, OSError, tarfile.TarError) as e:
+            log.info("run: could not bring the results back: %s", e)
+        raise
+    _bring_back(ssh, nodes[0], provider.workdir, run)
+    log.info("run: the job exited with code %d", code)
+    return code
+
+
+def _bring_back(ssh: Ssh, node: Node, workdir: str, run: RunDir) -> None:
+    names = sync.fetch(ssh, node, workdir, run)
+    if names:
+        log.info("run: brought back %d files to %s", len(names), run.job)
+    else:
+        log.info("run: the job wrote nothing to bring back")
+
+
+def _start(ssh: Ssh, nodes: list[Node], job: job_command.JobCommand, run: RunDir) -> int:
+    with ExitStack() as files:
+        procs = {}
+        for i, command in sorted(job.commands.items()):
+            out = (subprocess.PIPE if i == 0
+                   else files.enter_context(open(run.path / f"job-node-{i}.log", "wb")))
+            procs[i] = ssh.popen(nodes[i], command, tty=True, stdin=subprocess.DEVNULL,
+                                 stdout=out, stderr=subprocess.STDOUT)
+        try:
+            tail = _stream(procs[0].stdout, files.enter_context(open(run.job_log, "w")))
+            codes = [proc.wait() for proc in procs.values()]
+        except BaseException:  # Ctrl-C or an error: closing the connections hangs the job up
+            for proc in procs.values():
+                proc.terminate()
+            raise
+    first_failure = next((c for c in codes if c != 0), 0)
+    return job.exit_code(first_failure, tail)
+
+
+def _stream(stdout, log_file) -> str:
+    """Copy node 0's output here and to ``log_file`` as it comes; return its last lines."""
+    tail: deque[str] = deque(maxlen=50)
+    for raw in stdout:
+        line = raw.decode(errors="replace").replace("\r\n", "\n")  # the pty's line ends
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        log_file.write(line)
+        tail.append(line)
+    return "".join(tail)

@@ -1,0 +1,94 @@
+"""One launch's directory, runs/launch/<run id>/, and what it holds:
+
+    launch.yaml        the config `up` composed; later commands take the cluster from it
+    state.json         the nodes (addresses, type, zone, price), when they came and went
+    id_ed25519[.pub]   the run's SSH key pair (private key 0600, never leaves this machine
+                       except to node 0, which uses it to reach the other nodes)
+    known_hosts        the nodes' host keys, scanned at `up`
+    hosts              `ADDRESS slots=G`, one line per node (horovodrun, Open MPI)
+    hosts.mpich        `ADDRESS:G` (MPICH)
+    job.log            what the job printed (rank 0, and any rank's errors)
+    job/               what `run` brought back: train.log, metrics.jsonl, tensorboard/,
+                       summary.json, the final checkpoint
+    nodes/             local cluster only: each node's sshd files, ~/.ssh and workdir
+
+Run ids sort by time (20261122-114501-3f2a), so the newest run is the last one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from launch.provider import Node
+from trainer.config import ConfigError
+
+
+class RunDir:
+    """The paths of one run's files, and its state."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    @property
+    def id(self) -> str:
+        return self.path.name
+
+    config = property(lambda self: self.path / "launch.yaml")
+    key = property(lambda self: self.path / "id_ed25519")
+    known_hosts = property(lambda self: self.path / "known_hosts")
+    hosts = property(lambda self: self.path / "hosts")
+    hosts_mpich = property(lambda self: self.path / "hosts.mpich")
+    job_log = property(lambda self: self.path / "job.log")
+    job = property(lambda self: self.path / "job")
+
+    @classmethod
+    def planned(cls, runs_dir: str | Path) -> RunDir:
+        """A new run's directory, not created yet (a dry run shows it)."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        return cls(Path(runs_dir) / f"{stamp}-{secrets.token_hex(2)}")
+
+    def create(self, cfg: DictConfig) -> None:
+        self.path.mkdir(parents=True, mode=0o700)
+        OmegaConf.save(cfg, self.config, resolve=True)
+        self.save(created_at=time.time(), nodes=[])
+
+    @classmethod
+    def find(cls, runs_dir: str | Path, run_id: str | None) -> RunDir:
+        """The run named ``run_id``, or the newest one under ``runs_dir``."""
+        runs = sorted(Path(runs_dir).glob("*/launch.yaml"))
+        if run_id is not None:
+            run = cls(Path(runs_dir) / run_id)
+            if not run.config.exists():
+                known = ", ".join(p.parent.name for p in runs[-5:]) or "none"
+                raise ConfigError(f"run_id={run_id}: no such run in {runs_dir} "
+                                  f"(newest: {known})")
+            return run
+        if not runs:
+            raise ConfigError(f"no runs in {runs_dir}: start one with `python -m launch up`")
+        return cls(runs[-1].parent)
+
+    # ------------------------------------------------------------------------ state
+
+    def state(self) -> dict:
+        path = self.path / "state.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def save(self, **changes) -> None:
+        """Merge ``changes`` into state.json, atomically (a crash keeps the old file)."""
+        state = self.state() | changes
+        tmp = self.path / "state.json.tmp"
+        tmp.write_text(json.dumps(state, indent=2))
+        os.replace(tmp, self.path / "state.json")
+
+    def nodes(self) -> list[Node]:
+        return [Node(**n) for n in self.state().get("nodes", [])]
+
+    def save_nodes(self, nodes: list[Node]) -> None:
+        self.save(nodes=[asdict(n) for n in nodes])

@@ -1,0 +1,121 @@
+"""SSH to the nodes: the run's key pair, its known_hosts, and one way to run commands.
+
+Host keys are never taken on faith mid-run: `up` scans each node once with
+ssh-keyscan (trust on first use, right after the node was made) into the run's own
+known_hosts, and every later ssh checks against it (StrictHostKeyChecking=yes). Each
+known_hosts line names both addresses of a node, so node 0 can check the others by
+their private addresses with the same file. (horovodrun's own ssh calls add
+StrictHostKeyChecking=no by themselves; that is Horovod's choice, not ours.)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import TypeVar
+
+from launch.provider import Node
+
+T = TypeVar("T")
+
+
+def new_key(path: Path, comment: str) -> str:
+    """An ed25519 key pair at ``path`` (0600) and ``path``.pub; returns the public key."""
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment,
+                    "-f", str(path)], check=True, capture_output=True)
+    return path.with_suffix(".pub").read_text().strip()
+
+
+def scan_host_keys(nodes: Sequence[Node], known_hosts: Path, timeout_s: float) -> None:
+    """Wait for every node's sshd and put its host key in ``known_hosts``, in place of
+    any earlier key for its addresses (a replacement node may reuse one)."""
+    fresh = on_each(nodes, lambda node: _scan(node, timeout_s))
+    addresses = {a for n in nodes for a in (n.address, n.private_address)}
+    kept = [line for line in (known_hosts.read_text().splitlines(keepends=True)
+                              if known_hosts.exists() else [])
+            if not set(line.split(" ", 1)[0].split(",")) & addresses]
+    known_hosts.write_text("".join(kept + fresh))
+    known_hosts.chmod(0o600)
+
+
+def _scan(node: Node, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = subprocess.run(["ssh-keyscan", "-T", "5", "-t", "ed25519", node.address],
+                             capture_output=True, text=True).stdout
+        keys = [line.split(None, 1)[1] for line in out.splitlines()
+                if line.strip() and not line.startswith("#")]
+        if keys:
+            names = ",".join(dict.fromkeys([node.address, node.private_address]))
+            return "".join(f"{names} {key}\n" for key in keys)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"node {node.id} ({node.address}): no sshd answered within "
+                               f"{timeout_s:.0f} s (cluster.ssh_timeout_s)")
+        time.sleep(2)
+
+
+def on_each(nodes: Sequence[Node], fn: Callable[[Node], T]) -> list[T]:
+    """``fn`` on every node at once; the results in node order, the first error raised."""
+    if not nodes:
+        return []
+    pool = ThreadPoolExecutor(max_workers=min(len(nodes), 32))
+    futures = [pool.submit(fn, node) for node in nodes]
+    try:
+        # Wait in short slices: Ctrl-C is handled between two, not after the slowest node.
+        while wait(futures, timeout=0.2, return_when=FIRST_EXCEPTION).not_done:
+            if any(f.done() and f.exception() for f in futures):
+                break
+        return [f.result() for f in futures]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Ssh:
+    """ssh as ``user`` with the run's key, checked against the run's known_hosts."""
+
+    def __init__(self, user: str, key: Path, known_hosts: Path):
+        self.user = user
+        self.options = [
+            "-i", str(key), "-o", "IdentitiesOnly=yes",
+            "-o", f"UserKnownHostsFile={known_hosts}", "-o", "StrictHostKeyChecking=yes",
+            "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=30",
+            "-o", "LogLevel=ERROR",
+        ]
+
+    def argv(self, node: Node, command: str, tty: bool = False) -> list[str]:
+        # A pty (-tt) ties the remote command to this connection: when it closes (Ctrl-C
+        # here), sshd hangs the command up instead of leaving it running on the node.
+        return ["ssh", *self.options, *(["-tt"] if tty else []), f"{self.user}@{node.address}",
+                command]
+
+    def run(self, node: Node, command: str, input: bytes | None = None,
+            check: bool = True) -> subprocess.CompletedProcess:
+        proc = subprocess.run(self.argv(node, command), input=input, capture_output=True)
+        if check and proc.returncode != 0:
+            raise RemoteError(node, command, proc.returncode, proc.stderr)
+        return proc
+
+    def popen(self, node: Node, command: str, tty: bool = False, **kwargs) -> subprocess.Popen:
+        return subprocess.Popen(self.argv(node, command, tty), **kwargs)
+
+    def wait_for_login(self, nodes: Sequence[Node], timeout_s: float) -> None:
+        """sshd may answer before the node accepts the key (cloud-init still at work)."""
+        def login(node: Node) -> None:
+            deadline = time.monotonic() + timeout_s
+            while (proc := self.run(node, "true", check=False)).returncode != 0:
+                if time.monotonic() > deadline:
+                    raise RemoteError(node, "true", proc.returncode, proc.stderr)
+                time.sleep(3)
+        on_each(nodes, login)
+
+
+class RemoteError(RuntimeError):
+    def __init__(self, node: Node, command: str, code: int, stderr: bytes | str | None):
+        text = stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr or ""
+        tail = "\n".join(text.strip().splitlines()[-15:])
+        super().__init__(f"node {node.id} ({node.address}): `{command}` exited {code}"
+                         + (f":\n{tail}" if tail else ""))
+        self.code = code

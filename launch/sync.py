@@ -1,0 +1,91 @@
+"""Code and config to the nodes, results back, all through the run's ssh.
+
+    push    the project's files, as git sees them (tracked, plus untracked ones git does
+            not ignore; so .venv, runs/ and caches stay here), as one tar stream into the
+            workdir of every node. To node 0 also the hostfiles, and the run's key and
+            known_hosts as its ~/.ssh/id_ed25519 and ~/.ssh/known_hosts: node 0 starts
+            the ranks on the others over ssh.
+    setup   cluster.setup in the workdir of every node, all at once
+    fetch   runs/<run id> from node 0 into the run dir's job/: train.log, metrics.jsonl,
+            tensorboard/, summary.json, .hydra/, and of the checkpoints only the newest
+"""
+
+from __future__ import annotations
+
+import io
+import shlex
+import subprocess
+import tarfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from launch.job_command import results_dir
+from launch.provider import Node
+from launch.rundir import RunDir
+from launch.ssh import RemoteError, Ssh, on_each
+from trainer.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def code_files(repo: Path = REPO) -> list[str]:
+    try:
+        out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others",
+                              "--exclude-standard"], capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise ConfigError(f"{repo}: the launcher copies the files git knows, and git "
+                          f"cannot list them here ({e}); run it from a git checkout") from e
+    # Files deleted in the working tree are still listed (--cached) until committed.
+    return [f for f in out.decode().split("\0") if f and (repo / f).is_file()]
+
+
+def _tar(files: dict[str, Path], mode: int | None = None) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, path in files.items():
+            info = tar.gettarinfo(str(path), arcname=name)
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            if mode is not None:
+                info.mode = mode
+            with open(path, "rb") as f:
+                tar.addfile(info, f)
+    return buf.getvalue()
+
+
+def push(ssh: Ssh, nodes: Sequence[Node], workdir: str, run: RunDir) -> int:
+    """Returns the number of files copied to each node."""
+    files = code_files()
+    code = _tar({f: REPO / f for f in files})
+    wd = shlex.quote(workdir)
+    on_each(nodes, lambda n: ssh.run(n, f"mkdir -p {wd} && tar -xzmf - -C {wd}", input=code))
+    ssh.run(nodes[0], f"tar -xzmf - -C {wd}",
+            input=_tar({"hosts": run.hosts, "hosts.mpich": run.hosts_mpich}))
+    ssh.run(nodes[0], "mkdir -p -m 700 ~/.ssh && tar -xzmf - -C ~/.ssh",
+            input=_tar({"id_ed25519": run.key, "known_hosts": run.known_hosts}, mode=0o600))
+    return len(files)
+
+
+def setup(ssh: Ssh, nodes: Sequence[Node], workdir: str, command: str) -> None:
+    on_each(nodes, lambda n: ssh.run(n, f"cd {shlex.quote(workdir)} && {command}"))
+
+
+def fetch(ssh: Ssh, node: Node, workdir: str, run: RunDir) -> list[str]:
+    """What rank 0 wrote, into run.job; returns the files brought back (none if the job
+    wrote nothing, e.g. it stopped on bad input). Streamed: a checkpoint can be large."""
+    src = shlex.quote(f"{workdir}/{results_dir(run.id)}")
+    if ssh.run(node, f"test -d {src}", check=False).returncode != 0:
+        return []
+    command = (f"cd {src} && last=$(ls checkpoints/ckpt-*.json 2>/dev/null | tail -n 1); "
+               'tar -czf - --exclude=./checkpoints . ${last:+"$last" "${last%.json}.pt"}')
+    run.job.mkdir(exist_ok=True)
+    names = []
+    with ssh.popen(node, command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        with tarfile.open(fileobj=proc.stdout, mode="r|gz") as tar:
+            for member in tar:
+                tar.extract(member, run.job, filter="data")
+                if member.isfile():
+                    names.append(member.name.removeprefix("./"))
+        if proc.wait() != 0:
+            raise RemoteError(node, command, proc.returncode, proc.stderr.read())
+    return names

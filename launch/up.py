@@ -1,0 +1,51 @@
+"""`up`: N nodes ready for ssh, the hostfiles written, the job command printed.
+
+    1. provider.check: all that can be checked, read-only; bad input stops here
+    2. the run dir: launch.yaml (the config), the run's key pair
+    3. provider.create(N): all or nothing
+    4. ssh-keyscan into known_hosts, a first login, hosts and hosts.mpich, the command
+
+If anything fails, or Ctrl-C comes, once the nodes exist, everything is taken down again.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+
+from omegaconf import DictConfig
+
+from launch import hostfile
+from launch.down import down
+from launch.provider import Node, Provider
+from launch.run import job_for, ssh_for
+from launch.rundir import RunDir
+from launch.ssh import new_key, scan_host_keys
+
+log = logging.getLogger("launch")
+
+
+def up(cfg: DictConfig, run: RunDir, provider: Provider) -> list[Node]:
+    provider.check()
+    run.create(cfg)
+    new_key(run.key, f"spotring-{run.id}")
+    nodes = provider.create(cfg.nodes)
+    try:
+        run.save_nodes(nodes)
+        for i, node in enumerate(nodes):
+            log.info("up: node %d: %s", i, node.summary())
+        scan_host_keys(nodes, run.known_hosts, cfg.cluster.ssh_timeout_s)
+        ssh = ssh_for(cfg, run)
+        ssh.wait_for_login(nodes, cfg.cluster.ssh_timeout_s)
+        hostfile.write(nodes, run.hosts, run.hosts_mpich)
+    except BaseException:
+        log.info("up: failed; taking the nodes down")
+        down(run, provider)
+        raise
+    slots = sum(n.slots for n in nodes)
+    log.info("up: %d nodes, %d slots; wrote %s, %s and %s", len(nodes), slots, run.hosts,
+             run.hosts_mpich.name, run.known_hosts.name)
+    job = job_for(cfg, run, provider, nodes)
+    log.info("up: `python -m launch run` copies the code and starts, on node 0:\n  %s",
+             shlex.join(ssh.argv(nodes[0], job.commands[0])))
+    return nodes

@@ -1,0 +1,68 @@
+"""The launcher's config: what is bad input without asking AWS, and the message it gets."""
+
+from __future__ import annotations
+
+import pytest
+
+from launch import config
+from trainer.config import ConfigError
+
+
+def problems(*overrides: str) -> str:
+    cfg = config.compose(list(overrides))
+    with pytest.raises(ConfigError) as error:
+        config.validate(cfg)
+    return str(error.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["nodes=0"], "nodes=0: must be from 1 to cluster.max_nodes=16"),
+    (["nodes=17"], "nodes=17: must be from 1 to cluster.max_nodes=16"),
+    (["cluster.region=us-eats-1"], "cluster.region=us-eats-1: unknown (did you mean us-east-1?); "
+                                   "valid: af-south-1, "),
+    (["cluster.instance_types=[g5.xlarge,p5.48xlarg]"],
+     "cluster.instance_types: p5.48xlarg: unknown (did you mean p5.48xlarge?); valid: any EC2 "
+     "instance type"),
+    (["cluster.instance_types=[]"], "cluster.instance_types=[]: name at least one"),
+    (["cluster.zones=[eu-west-1a]"], "cluster.zones: eu-west-1a is not a zone of "
+                                     "cluster.region=us-east-1"),
+    (["cluster.ssh_cidr=0.0.0.0/0"], "cluster.ssh_cidr=0.0.0.0/0: would open SSH to the whole "
+                                     "internet"),
+    (["cluster.ssh_cidr=my-laptop"], "cluster.ssh_cidr=my-laptop: not an address range"),
+    (["cluster.ami=my-image"], "cluster.ami=my-image: expected an AMI id"),
+    (["cluster.max_price=0"], "cluster.max_price=0.0: must be positive"),
+    (["nodes=4", "cluster.min_nodes=5"], "cluster.min_nodes=5: must be from 1 to nodes=4"),
+    (["cluster.max_restarts=-1"], "cluster.max_restarts=-1: must be 0 or more"),
+    (["job.launcher=srun"], "job.launcher=srun: unknown (did you mean mpirun?); valid: "
+                            "horovodrun, mpirun, torchrun"),
+    (["cluster=local", "cluster.subnet=10.0.0.0/28"], "cluster.subnet=10.0.0.0/28: must be an "
+                                                      "IPv4 network of /24 or larger"),
+    (["cluster=local", "cluster.slots=0"], "cluster.slots=0: must be 1 or more"),
+])
+def test_bad_input_is_named_with_what_is_valid(overrides, message):
+    text = problems(*overrides)
+    assert message in text and "Nothing was created" in text
+
+
+def test_every_problem_at_once():
+    text = problems("nodes=0", "cluster.region=mars", "job.launcher=srun")
+    assert text.count("\n  - ") == 3
+
+
+@pytest.mark.parametrize("override, message", [
+    ("nodes=eight", "Value 'eight' of type 'str' could not be converted to Integer"),
+    ("cluster.instance_type=[g5.xlarge]", "Could not override 'cluster.instance_type'"),
+    ("cluster=gcp", "Could not find 'cluster/gcp'"),
+])
+def test_a_bad_override_is_bad_input(override, message):
+    with pytest.raises(ConfigError, match=message):
+        config.compose([override])
+
+
+def test_min_nodes_follows_nodes_and_the_defaults_are_valid():
+    for cluster in config.CLUSTERS:
+        cfg = config.compose([f"cluster={cluster}", "nodes=8"])
+        config.validate(cfg)
+        assert cfg.cluster.min_nodes == 8 and cfg.cluster.max_restarts == 0
+    cfg = config.compose(["cluster.ssh_user=ec2-user"])
+    assert cfg.cluster.workdir == "/home/ec2-user/spotring"

@@ -1,0 +1,96 @@
+"""cluster=local for real: network namespaces with their own addresses, an sshd in each,
+ssh checked against the run's known_hosts, and `make launch NODES=2 CLUSTER=local`
+training MNIST with horovodrun across them, then nothing left on this machine."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from launch import config
+from launch.local.provider import LocalCluster
+from launch.rundir import RunDir
+from launch.ssh import RemoteError, Ssh, new_key, scan_host_keys
+from tests.conftest import REPO
+from tests.launcher import launcher, leftovers, netns_unavailable
+
+WHY_NOT = netns_unavailable()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+
+
+def test_local_nodes_are_machines_of_their_own(tmp_path):
+    cfg = config.compose(["cluster=local", "nodes=1", f"runs_dir={tmp_path}"])
+    config.validate(cfg)
+    run = RunDir.planned(tmp_path)
+    run.create(cfg)
+    new_key(run.key, "test")
+    cluster = LocalCluster(cfg.cluster, run)
+    cluster.check()
+    try:
+        (node,) = cluster.create(1)
+        run.save_nodes([node])
+        scan_host_keys([node], run.known_hosts, timeout_s=10)
+        ssh = Ssh("root", run.key, run.known_hosts)
+        out = ssh.run(node, f"hostname; hostname -I; echo mine > {cluster.workdir}/file; "
+                            "ls ~/.ssh | wc -l").stdout.decode().split()
+        assert out == ["node-0", node.address, "0"]  # its own name, address and ~/.ssh
+        assert (run.path / "nodes/node-0/work/file").read_text() == "mine\n"
+        assert not (Path(cluster.workdir) / "file").exists()  # not this machine's
+
+        (new,) = cluster.replace([node])
+        assert new.id.endswith("-1") and new.address != node.address
+        assert leftovers(run.id) == [new.id, cluster.names.bridge, cluster.names.veth(1)]
+        # Its host key is not in known_hosts yet: ssh refuses it rather than trust it.
+        with pytest.raises(RemoteError, match="Host key verification failed"):
+            ssh.run(new, "true")
+        scan_host_keys([new], run.known_hosts, timeout_s=10)
+        assert ssh.run(new, "hostname").stdout == b"node-1\n"
+    finally:
+        done = cluster.destroy()
+    assert done[0].startswith(f"deleted node {new.id} (stopped pids ")
+    assert leftovers(run.id) == []
+
+
+@pytest.mark.slow
+def test_make_launch_trains_mnist_across_two_local_nodes(tmp_path):
+    args = "train.max_steps=40 train.threads=1 telemetry.progress=false"
+    proc = subprocess.run(["make", "--no-print-directory", "launch", "NODES=2", "CLUSTER=local",
+                           f"LAUNCH_ARGS=runs_dir={tmp_path}", f"ARGS={args}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    out = proc.stdout
+    first = next(line for line in out.splitlines() if line.startswith("spotring: run "))
+    run = RunDir(Path(re.fullmatch(r"spotring: run \S+ in (\S+)", first).group(1)))
+    assert proc.returncode == 0, out[-5000:] + proc.stderr[-3000:]
+
+    # up: the hostfile from the namespaces' own addresses, their host keys.
+    nodes = run.nodes()
+    assert [n.address for n in nodes] == [f"{nodes[0].address[:-3]}.{10 + i}" for i in range(2)]
+    assert run.hosts.read_text() == "".join(f"{n.address} slots=1\n" for n in nodes)
+    assert [line.split()[0] for line in run.known_hosts.read_text().splitlines()] == [
+        n.address for n in nodes]
+
+    # run: the code copied into each node; rank 0 ran from node 0's copy and its output
+    # streamed here; the results came back.
+    for i in range(2):
+        assert (run.path / f"nodes/node-{i}/work/trainer/__main__.py").is_file()
+    assert (run.path / f"nodes/node-0/work/runs/{run.id}/summary.json").is_file()
+    assert "[0]<stdout>:spotring: convnet on mnist: test accuracy" in out
+    summary = json.loads((run.job / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 40
+    assert summary["engine"] == "horovod" and summary["test_accuracy"] > 0.85
+    assert sorted(p.name for p in (run.job / "checkpoints").iterdir()) == [
+        "ckpt-000000040.json", "ckpt-000000040.pt"]  # the final one only
+    assert list((run.job / "tensorboard").glob("events.out.tfevents.*"))
+    records = [json.loads(line) for line in (run.job / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["kind"] == "test" and records[-1]["step"] == 40
+
+    # down: nothing of the run on this machine; again, nothing to do.
+    assert f"down: done; nothing of run {run.id} is left" in out
+    assert f"cost: run {run.id}: 2 nodes" in out
+    assert leftovers(run.id) == []
+    again = launcher("down", f"runs_dir={tmp_path}")
+    assert f"nothing of run {run.id} was left to delete" in again.stdout

@@ -1,6 +1,8 @@
 """python -m launch: start spot GPU nodes, run the trainer across them, tear them down.
 
-    python -m launch launch nodes=8 -- train.epochs=30    up + run + down (make launch NODES=8)
+    python -m launch launch nodes=8 -- train.epochs=30    up + run + down (make launch NODES=8);
+                                                with cluster.max_restarts=K, lost spot
+                                                nodes are replaced and the job resumes
     python -m launch up nodes=8                 the nodes; the first line names the run dir,
                                                 where hosts and hosts.mpich are written
     python -m launch run -- dataset=cifar10     the code to the nodes, the job, results back
@@ -37,6 +39,7 @@ from launch.cost import after_run, hourly
 from launch.down import down
 from launch.plan import plan
 from launch.provider import NoCapacity, provider_for
+from launch.recover import supervise
 from launch.run import run as run_job
 from launch.rundir import RunDir
 from launch.up import up
@@ -124,7 +127,7 @@ def _command(args: argparse.Namespace, trainer_args: list[str]) -> int:
     elif command == "launch":
         try:
             up(cfg, run, provider)
-            return run_job(cfg, run, provider)
+            return supervise(cfg, run, provider)
         finally:
             if run.config.exists():  # up got past its checks: something may exist
                 down(run, provider)

@@ -41,10 +41,13 @@ class ClusterConfig:
     setup: str = ""
     ssh_timeout_s: float = 300.0  # for sshd to answer on new nodes
     max_nodes: int = 16  # a guard against NODES=80 meant as 8
-    # Spot preemption recovery: restart on replacement nodes up to max_restarts times,
-    # on no fewer than min_nodes nodes.
+    # Spot preemption recovery (launch/recover.py): restart on replacement nodes up to
+    # max_restarts times, on no fewer than min_nodes nodes; after a spot notice, wait up
+    # to notice_wait_s for the noticed node to leave `running` (EC2 gives two minutes).
     max_restarts: int = 0
     min_nodes: int = II("nodes")
+    notice_wait_s: float = 150.0
+    notice_poll_s: float = 5.0
 
 
 @dataclass
@@ -61,6 +64,9 @@ class AwsSpotConfig(ClusterConfig):
     # checkip.amazonaws.com. Never 0.0.0.0/0.
     ssh_cidr: str | None = None
     placement_group: bool = True  # a cluster placement group where the types support it
+    # An existing IAM instance profile for the nodes: what they may do in AWS, e.g.
+    # write checkpoints to the S3 of checkpoint.uri. None: the nodes get no credentials.
+    instance_profile: str | None = None
     volume_gb: int = 100
     workdir: str = MISSING  # where the code goes, the same path on every node
     wait_timeout_s: float = 900.0  # for running + status checks ok

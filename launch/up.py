@@ -31,13 +31,7 @@ def up(cfg: DictConfig, run: RunDir, provider: Provider) -> list[Node]:
     new_key(run.key, f"spotring-{run.id}")
     nodes = provider.create(cfg.nodes)
     try:
-        run.save_nodes(nodes)
-        for i, node in enumerate(nodes):
-            log.info("up: node %d: %s", i, node.summary())
-        scan_host_keys(nodes, run.known_hosts, cfg.cluster.ssh_timeout_s)
-        ssh = ssh_for(cfg, run)
-        ssh.wait_for_login(nodes, cfg.cluster.ssh_timeout_s)
-        hostfile.write(nodes, run.hosts, run.hosts_mpich)
+        admit(cfg, run, nodes, nodes)
     except BaseException:
         log.info("up: failed; taking the nodes down")
         down(run, provider)
@@ -47,5 +41,16 @@ def up(cfg: DictConfig, run: RunDir, provider: Provider) -> list[Node]:
              run.hosts_mpich.name, run.known_hosts.name)
     job = job_for(cfg, run, provider, nodes)
     log.info("up: `python -m launch run` copies the code and starts, on node 0:\n  %s",
-             shlex.join(ssh.argv(nodes[0], job.commands[0])))
+             shlex.join(ssh_for(cfg, run).argv(nodes[0], job.commands[0])))
     return nodes
+
+
+def admit(cfg: DictConfig, run: RunDir, nodes: list[Node], new: list[Node]) -> None:
+    """Make ``nodes`` the run's nodes, of which ``new`` just came: their host keys into
+    known_hosts, a first login, the hostfiles rewritten (node 0 first)."""
+    run.save_nodes(nodes)
+    for node in new:
+        log.info("up: node %d: %s", nodes.index(node), node.summary())
+    scan_host_keys(new, run.known_hosts, cfg.cluster.ssh_timeout_s)
+    ssh_for(cfg, run).wait_for_login(new, cfg.cluster.ssh_timeout_s)
+    hostfile.write(nodes, run.hosts, run.hosts_mpich)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from launch.commands import local_command, local_environment
+from trainer.config import compose
 
 REPO = Path(__file__).resolve().parents[1]
 # Keep test runs short and their output readable.
@@ -64,11 +64,7 @@ def train(tmp_path):
 
 def compose_config(*overrides: str):
     """The composed config, as `python -m trainer` would see it (no run directory)."""
-    from trainer.config import register
-
-    register()
-    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+    return compose(list(overrides))
 
 
 def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float) -> None:

@@ -93,7 +93,8 @@ def only_run(tmp_path) -> RunDir:
 
 
 def test_up_status_cost_down(cli, tmp_path):
-    up = cli("up", "nodes=2", "cluster.instance_types=[g5.12xlarge]")
+    up = cli("up", "nodes=2", "cluster.instance_types=[g5.12xlarge]",
+             "cluster.instance_profile=spotring-nodes")
     run = only_run(tmp_path)
     assert up.stdout.splitlines()[0] == f"spotring: run {run.id} in {run.path}"
 
@@ -135,6 +136,7 @@ def test_up_status_cost_down(cli, tmp_path):
         LaunchTemplateId=tagged(run.id)["launch templates"][0])["LaunchTemplateVersions"]
     data = template["LaunchTemplateData"]
     assert data["MetadataOptions"]["HttpTokens"] == "required" and data["ImageId"] == AMI
+    assert data["IamInstanceProfile"] == {"Name": "spotring-nodes"}  # S3 for checkpoints
     assert {s["ResourceType"] for s in data["TagSpecifications"]} >= {"instance", "volume"}
     volumes = client.describe_volumes(Filters=[{"Name": "tag:spotring:run-id",
                                                 "Values": [run.id]}])["Volumes"]

@@ -5,13 +5,19 @@ training MNIST with horovodrun across them, then nothing left on this machine.""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from launch import config
+from launch.local import netns
 from launch.local.provider import LocalCluster
 from launch.rundir import RunDir
 from launch.ssh import RemoteError, Ssh, new_key, scan_host_keys
@@ -55,15 +61,29 @@ def test_local_nodes_are_machines_of_their_own(tmp_path):
     assert leftovers(run.id) == []
 
 
-@pytest.mark.slow
-def test_make_launch_trains_mnist_across_two_local_nodes(tmp_path):
-    args = "train.max_steps=40 train.threads=1 telemetry.progress=false"
+# Long enough (about 10 s of training) for a node to be taken away mid-run.
+TRAIN = ("train.max_steps=120 train.threads=1 telemetry.progress=false "
+         "checkpoint.every_steps=20")
+
+
+def run_dir_of(output: str) -> RunDir:
+    first = next(line for line in output.splitlines() if line.startswith("spotring: run "))
+    return RunDir(Path(re.fullmatch(r"spotring: run \S+ in (\S+)", first).group(1)))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("runs")
     proc = subprocess.run(["make", "--no-print-directory", "launch", "NODES=2", "CLUSTER=local",
-                           f"LAUNCH_ARGS=runs_dir={tmp_path}", f"ARGS={args}"], cwd=REPO,
+                           f"LAUNCH_ARGS=runs_dir={runs}", f"ARGS={TRAIN}"], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
+    return proc, run_dir_of(proc.stdout), runs
+
+
+@pytest.mark.slow
+def test_make_launch_trains_mnist_across_two_local_nodes(uninterrupted):
+    proc, run, runs = uninterrupted
     out = proc.stdout
-    first = next(line for line in out.splitlines() if line.startswith("spotring: run "))
-    run = RunDir(Path(re.fullmatch(r"spotring: run \S+ in (\S+)", first).group(1)))
     assert proc.returncode == 0, out[-5000:] + proc.stderr[-3000:]
 
     # up: the hostfile from the namespaces' own addresses, their host keys.
@@ -80,17 +100,61 @@ def test_make_launch_trains_mnist_across_two_local_nodes(tmp_path):
     assert (run.path / f"nodes/node-0/work/runs/{run.id}/summary.json").is_file()
     assert "[0]<stdout>:spotring: convnet on mnist: test accuracy" in out
     summary = json.loads((run.job / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == 40
-    assert summary["engine"] == "horovod" and summary["test_accuracy"] > 0.85
+    assert summary["world_size"] == 2 and summary["steps"] == 120
+    assert summary["engine"] == "horovod" and summary["test_accuracy"] > 0.9
     assert sorted(p.name for p in (run.job / "checkpoints").iterdir()) == [
-        "ckpt-000000040.json", "ckpt-000000040.pt"]  # the final one only
+        "ckpt-000000120.json", "ckpt-000000120.pt"]  # the final one only
     assert list((run.job / "tensorboard").glob("events.out.tfevents.*"))
     records = [json.loads(line) for line in (run.job / "metrics.jsonl").read_text().splitlines()]
-    assert records[-1]["kind"] == "test" and records[-1]["step"] == 40
+    assert records[-1]["kind"] == "test" and records[-1]["step"] == 120
 
     # down: nothing of the run on this machine; again, nothing to do.
     assert f"down: done; nothing of run {run.id} is left" in out
     assert f"cost: run {run.id}: 2 nodes" in out
     assert leftovers(run.id) == []
-    again = launcher("down", f"runs_dir={tmp_path}")
+    again = launcher("down", f"runs_dir={runs}")
     assert f"nothing of run {run.id} was left to delete" in again.stdout
+
+
+def steps_on_node_0(run: RunDir) -> int:
+    metrics = run.path / f"nodes/node-0/work/runs/{run.id}/metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
+
+
+@pytest.mark.slow
+def test_a_node_vanishes_mid_run_and_the_launcher_recovers(tmp_path, uninterrupted):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch", "launch", "nodes=2", "cluster=local",
+         "cluster.max_restarts=1", f"runs_dir={tmp_path}", "--", *TRAIN.split()],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    deadline = time.monotonic() + 300
+    while not any(line.startswith("spotring: run ") for line in lines):
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+        time.sleep(0.1)
+    run = run_dir_of("".join(lines))
+    while steps_on_node_0(run) < 45:
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+        time.sleep(0.1)
+    # Node 1 vanishes as a reclaimed spot instance does: no notice, every process gone.
+    lost = netns.Names(run.id).ns(1)
+    for pid in netns.ip("netns", "pids", lost).split():
+        os.kill(int(pid), signal.SIGKILL)
+    netns.ip("netns", "delete", lost)
+
+    assert proc.wait(timeout=400) == 0, "".join(lines)[-6000:]
+    time.sleep(0.2)
+    out = "".join(lines)
+    assert "recover: restart 1 of 1: exit" in out and f"lost {lost}" in out
+    resumed = int(re.search(r"resumed at step (\d+)", out).group(1))
+    assert 40 <= resumed < 120  # the checkpoint of step 40 or a later one: little lost
+    nodes = run.nodes()
+    assert [n.id for n in nodes] == [netns.Names(run.id).ns(0), netns.Names(run.id).ns(2)]
+    assert run.hosts.read_text() == "".join(f"{n.address} slots=1\n" for n in nodes)
+    summary = json.loads((run.job / "summary.json").read_text())
+    assert summary["steps"] == 120 and summary["world_size"] == 2
+    baseline = json.loads((uninterrupted[1].job / "summary.json").read_text())
+    assert abs(summary["test_accuracy"] - baseline["test_accuracy"]) <= 0.002
+    assert leftovers(run.id) == []

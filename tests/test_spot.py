@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from launch.commands import local_command, local_environment
+from tests.aws import aws_env, start_moto
 from tests.conftest import QUICK, REPO, Run, assert_close, run_trainer
 from tests.imds import MetadataStub
 from trainer.checkpoint import Checkpoints, find_resume
@@ -30,22 +30,13 @@ RUN = ["dataset=synthetic", "dataset.shape=[1,28,28]", "dataset.train_size=6400"
        "preemption.poll_seconds=0.5", "train.dtype=float64"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def s3():
-    """A moto S3 server on 127.0.0.1 and the environment that points boto3 at it."""
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+def s3(tmp_path_factory):
+    """A moto S3 server on 127.0.0.1, a bucket, and the environment that points boto3
+    at it (here and in the trainer processes the tests start)."""
+    server = start_moto()
+    host, port = server.get_host_and_port()
+    env = aws_env(f"http://{host}:{port}", tmp_path_factory.mktemp("home"))
     with pytest.MonkeyPatch.context() as mp:
         for key, value in env.items():
             mp.setenv(key, value)

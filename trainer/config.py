@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 # ----------------------------------------------------------------------------- schemas
 
@@ -195,6 +200,16 @@ def register() -> None:
         ("engine", "horovod", HorovodConfig),
     ]:
         cs.store(group=f"schema/{group}", name=name, node=node)
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """The config `python -m trainer OVERRIDES` runs with, for tools that need its values
+    (tests, the launcher). Overrides of Hydra itself (hydra.*) are left out, and
+    ${hydra:...} values stay unresolved: there is no run directory."""
+    register()
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return hydra_compose("config", overrides=[o for o in overrides
+                                                  if not o.lstrip("+~").startswith("hydra")])
 
 
 # -------------------------------------------------------------------------- validation

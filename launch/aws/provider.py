@@ -97,7 +97,8 @@ class AwsSpot(Provider):
             self.template = resources.create_launch_template(
                 self.ec2, name, ami=pf.ami, root_device=pf.root_device,
                 volume_gb=self.cfg.volume_gb, key=name, security_group=group,
-                placement_group=placement, tags=run_tags,
+                placement_group=placement, instance_profile=self.cfg.instance_profile,
+                tags=run_tags,
                 user_data=user_data.render(self.cfg.ssh_user, self.cfg.workdir))
             log.info("up: launch template %s (%s)%s", name, pf.ami,
                      f", placement group {name}" if placement else "")

@@ -48,7 +48,7 @@ def create_placement_group(ec2, name: str, tags: Tags) -> None:
 
 def create_launch_template(ec2, name: str, *, ami: str, root_device: str, volume_gb: int,
                            key: str, security_group: str, placement_group: str | None,
-                           user_data: str, tags: Tags) -> str:
+                           instance_profile: str | None, user_data: str, tags: Tags) -> str:
     data = {
         "ImageId": ami,
         "KeyName": key,
@@ -65,6 +65,8 @@ def create_launch_template(ec2, name: str, *, ami: str, root_device: str, volume
     }
     if placement_group:
         data["Placement"] = {"GroupName": placement_group}
+    if instance_profile:
+        data["IamInstanceProfile"] = {"Name": instance_profile}
     template = ec2.create_launch_template(LaunchTemplateName=name, LaunchTemplateData=data,
                                           TagSpecifications=tags.spec("launch-template"))
     return template["LaunchTemplate"]["LaunchTemplateId"]

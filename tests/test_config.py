@@ -19,7 +19,8 @@ def test_the_default_config_is_valid_and_every_group_option_composes():
     validate(compose_config())
     for option in ["dataset=cifar10", "dataset=synthetic", "model=mnist_convnet", "model=lenet",
                    "model=cifar_convnet", "model=resnet20", "model=torchvision",
-                   "optim=adamw", "schedule=goyal", "schedule=constant", "engine=ddp"]:
+                   "optim=adamw", "schedule=goyal", "schedule=constant", "engine=ddp",
+                   "engine=horovod", "+experiment=cifar10_resnet20"]:
         validate(compose_config(option))
 
 

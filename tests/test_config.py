@@ -75,6 +75,8 @@ def test_typo_in_a_key_is_refused_by_the_schema():
 @pytest.mark.parametrize("overrides, expected", [
     (["train.batch_size=0"], "train.batch_size=0: must be positive"),
     (["train.batch_size=40000"], "global batch 80000"),
+    (["engine.backend=mpi"], "engine.backend=mpi averages gradients over MPI on CPUs: start "
+                             "the job with mpirun"),
 ])
 def test_bad_input_exits_2_before_any_process_group(tmp_path, overrides, expected):
     # Two workers under torchrun: every rank validates; rank 0 says what is wrong.

@@ -28,9 +28,13 @@ def one_worker(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
-def test_two_workers_equal_one_worker_with_twice_the_batch(train, one_worker, launcher):
-    two = train(launcher, *STEPS, "train.batch_size=32", launcher=launcher, nproc=2)
+@pytest.mark.parametrize("launcher, backend", [("torchrun", "gloo"), ("mpirun", "gloo"),
+                                               ("mpirun", "mpi")])
+def test_two_workers_equal_one_worker_with_twice_the_batch(train, one_worker, launcher,
+                                                           backend):
+    two = train(launcher, *STEPS, "train.batch_size=32", f"engine.backend={backend}",
+                launcher=launcher, nproc=2)
+    assert two.summary["backend"] == backend
     assert two.summary["world_size"] == 2 and two.summary["global_batch"] == 64
     assert two.summary["steps"] == one_worker.summary["steps"] == 25
     assert_close(two.params(), one_worker.params(), rtol=1e-10)

@@ -102,7 +102,8 @@ class ScheduleConfig:
 @dataclass
 class EngineConfig:
     name: str = MISSING
-    # auto: nccl on GPU, gloo on CPU; horovod also takes mpi (its CPU allreduce over MPI)
+    # auto: nccl on GPU, gloo on CPU; mpi: the gradients' allreduce over MPI on CPUs
+    # (under mpirun: through mpi4py for ddp, Horovod's own for horovod)
     backend: str = "auto"
     # Seconds a collective may wait for a peer before the job fails, naming the
     # missing rank. Generous by default: a first NCCL allreduce can take a while.
@@ -262,9 +263,6 @@ def validate(cfg: DictConfig) -> None:
         ])
         need(not cfg.engine.sync_bn,
              "engine.sync_bn=true: SyncBatchNorm is offered with engine=ddp only")
-    elif cfg.engine.backend == "mpi":
-        need(False, "engine.backend=mpi: PyTorch's wheels have no MPI backend; use "
-                    "engine=horovod engine.backend=mpi for an MPI allreduce")
     if cfg.model.name == "torchvision":
         problems += filter(None, [one_of("model.arch", cfg.model.arch, torchvision_archs())])
 

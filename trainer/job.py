@@ -90,6 +90,11 @@ def _prepare(cfg: DictConfig, launch: runtime.Launch):
 
         require_horovod()
     device = runtime.pick_device(cfg.train.device, launch.local_rank)
+    if cfg.engine.backend == "mpi" and (launch.launcher != "mpi" or device.type == "cuda"):
+        raise ConfigError(
+            f"engine.backend=mpi averages gradients over MPI on CPUs: start the job with "
+            f"mpirun on CPU workers (here: {launch.launcher}, {device.type}); on GPUs NCCL "
+            "is the fast path (engine.backend=auto)")
     runtime.set_threads(cfg.train.threads, launch.local_world_size)
     dataset = datasets.load(cfg.dataset, cfg.data, cfg.train.seed)
     batch = global_batch(cfg, launch.world_size)

@@ -9,6 +9,11 @@ NPROC  ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ "$$n" -gt 0 ] && ec
 ENGINE ?= ddp
 ARGS   ?=
 PYTEST_ARGS ?=
+# make bench QUICK=1: the few-minutes run; make report RUN=name: a benchmarks/results
+# folder (default: the newest).
+QUICK  ?=
+RUN    ?=
+BENCH_ARGS ?=
 
 # horovodrun and mpirun start `python` and `orted` by name: find the venv's first.
 export PATH := $(BIN):$(PATH)
@@ -16,7 +21,7 @@ export PATH := $(BIN):$(PATH)
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: help install horovod test test-fast lint train clean
+.PHONY: help install horovod test test-fast lint train bench report clean
 
 help:
 	@echo "make train [NPROC=2] [ENGINE=ddp|horovod] [ARGS='dataset=cifar10 model=resnet20']"
@@ -25,6 +30,12 @@ help:
 	@echo "make install       .venv with pinned versions (constraints.txt)"
 	@echo "make horovod       build Horovod 0.28.1 against the installed torch (cached)"
 	@echo "make lint          ruff"
+	@echo "make bench [QUICK=1] [BENCH_ARGS='--engines ddp plain']  benchmarks -> benchmarks/results/<run>/"
+	@echo "make report [RUN=name]  report.md and plots of the newest (or named) benchmark run"
+	@echo "make launch NODES=8 [CLUSTER=aws_spot|local] [DRY_RUN=1] [ARGS='trainer overrides']"
+	@echo "                   spot nodes up, the trainer across them, everything down again"
+	@echo "make down [RUN_ID=id]  delete what a launch left (default: the newest run)"
+	@echo "make system-deps   Debian packages the local cluster and its tests need (as root)"
 
 install: $(VENV)/.installed
 
@@ -36,10 +47,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 horovod: install
 	tools/build-horovod $(VENV)
 
-test: install horovod
+test: install horovod system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-fast: install
+test-fast: install system-deps
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: install
@@ -52,6 +63,43 @@ ifeq ($(ENGINE),horovod)
 else
 	torchrun --standalone --nproc-per-node $(NPROC) -m trainer engine=$(ENGINE) $(ARGS)
 endif
+
+bench: install horovod
+	$(BIN)/python -m benchmarks.suite $(if $(QUICK),--quick) $(BENCH_ARGS)
+
+report: install
+	$(BIN)/python -m benchmarks.report $(RUN)
+
+# Spot clusters: python -m launch (README, "Launching on EC2 spot instances").
+# LAUNCH_ARGS: launcher overrides, e.g. "cluster.instance_types=[g5.12xlarge] runs_dir=DIR",
+# or for make down "--all-mine"; RUN_ID: a run of runs/launch/ (default: the newest).
+NODES   ?= 1
+CLUSTER ?= aws_spot
+DRY_RUN ?=
+LAUNCH_ARGS ?=
+RUN_ID  ?=
+.PHONY: launch down system-deps
+
+# The local cluster's nodes run this machine's .venv, and an sshd each.
+launch: install $(if $(filter local,$(CLUSTER)),horovod system-deps)
+	$(BIN)/python -m launch launch nodes=$(NODES) cluster=$(CLUSTER) $(if $(DRY_RUN),--dry-run) \
+	    $(LAUNCH_ARGS) -- $(ARGS)
+
+down: install
+	$(BIN)/python -m launch down cluster=$(CLUSTER) $(if $(RUN_ID),run_id=$(RUN_ID)) $(LAUNCH_ARGS)
+
+# Debian packages: sshd for the local cluster (and its tests). Installed as root when
+# missing; elsewhere a note, and those tests skip.
+system-deps:
+	@if [ ! -x /usr/sbin/sshd ] || ! command -v ssh-keyscan > /dev/null; then \
+	    if [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null; then \
+	        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	            --no-install-recommends openssh-server openssh-client; \
+	    else \
+	        echo "system-deps: openssh-server is missing and this is not root: the local" \
+	             "cluster and its tests will not run"; \
+	    fi; \
+	fi
 
 clean:
 	rm -rf runs .pytest_cache

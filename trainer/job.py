@@ -58,16 +58,13 @@ def run(cfg: DictConfig) -> int:
 
     engine = engines.create(cfg.engine, launch, device)
     try:
-        resume = engine.broadcast_object(_load(found))
-        trainer = Trainer(cfg, engine, dataset, _run_dir(), checkpoints, resume)
-        summary = trainer.fit()
+        summary = _fit(cfg, engine, dataset, checkpoints, found)
     except Preempted as e:
         log.warning("%s; exit %d: run again with resume=auto to continue", e, EXIT_PREEMPTED)
         if engine.rank == 0:  # for launchers that do not pass exit codes on (torchrun)
             write_atomic(_run_dir() / "preempted.json", json.dumps(
                 {"reason": e.reason, "step": e.step, "checkpoint": e.checkpoint}).encode())
-        engine.shutdown()
-        return EXIT_PREEMPTED
+        code = EXIT_PREEMPTED
     except Exception as e:
         if not _is_collective_failure(e):
             raise
@@ -76,10 +73,22 @@ def run(cfg: DictConfig) -> int:
         logging.shutdown()
         sys.stderr.flush()
         os._exit(EXIT_PEER_LOST)
-    if engine.rank == 0:
-        _report(cfg, summary, checkpoints)
+    else:
+        if engine.rank == 0:
+            _report(cfg, summary, checkpoints)
+        code = EXIT_OK
+    # Outside the except clauses, so that no traceback keeps the trainer (and through its
+    # wrapped model, the process group) alive past the engine's shutdown.
     engine.shutdown()
-    return EXIT_OK
+    return code
+
+
+def _fit(cfg: DictConfig, engine: engines.Engine, dataset, checkpoints: Checkpoints,
+         found) -> dict[str, Any]:
+    """Rank 0's checkpoint (if any) to every rank, then training; the trainer, its model
+    and optimizer are garbage once this returns."""
+    resume = engine.broadcast_object(_load(found))
+    return Trainer(cfg, engine, dataset, _run_dir(), checkpoints, resume).fit()
 
 
 def _prepare(cfg: DictConfig, launch: runtime.Launch):

@@ -15,6 +15,7 @@ bucket's MPI allreduce is shorter than Gloo's.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -231,5 +232,17 @@ class DDPEngine(Engine):
             return None
 
     def shutdown(self) -> None:
+        """Leave together, then free the process group while the interpreter is whole.
+
+        The barrier keeps a rank from closing its connections while another still
+        finishes its last collective. The collection frees what reference cycles still
+        hold the wrapped model, whose reducer holds the Gloo process group: left to
+        interpreter exit, Gloo's threads may need the GIL while Python is finalizing,
+        which aborts the process (SIGABRT, "terminate called without an active
+        exception") after a run that succeeded; seen in CI, see pytorch/pytorch#179291.
+        """
         if dist.is_initialized():
+            if self.world_size > 1:
+                dist.barrier(device_ids=[self.device.index] if self.backend == "nccl" else None)
             dist.destroy_process_group()
+        gc.collect()

@@ -8,16 +8,18 @@ timeouts and messages, as under mpirun or on hosts without an agent.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from launch.commands import local_environment
+from launch.commands import BIN, local_environment
 from tests.conftest import QUICK, REPO
 
 TIMEOUT_S = 10  # engine.timeout_s in these tests
@@ -110,3 +112,43 @@ def test_losing_rank_0_ends_the_others_too(two_ranks):
     code = survivor.exit_code_within(TIMEOUT_S + 15)
     assert code == 69, survivor.output
     assert "rank 0, which serves the rendezvous store, is unreachable" in survivor.output
+
+
+def rank_pid(marker: str, rank: int) -> int | None:
+    """The pid of the process of MPI rank ``rank`` whose command line has ``marker``."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if (marker in (proc / "cmdline").read_text()
+                    and f"OMPI_COMM_WORLD_RANK={rank}\0" in (proc / "environ").read_text()):
+                return int(proc.name)
+        except (OSError, ValueError):  # not a process, or gone meanwhile
+            continue
+    return None
+
+
+@pytest.mark.slow
+def test_hung_worker_under_mpi_allreduce_is_caught_by_the_timeout(tmp_path):
+    # engine.backend=mpi: gradients travel by MPI, whose own calls would wait forever.
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", str(BIN / "python"), "-m",
+         "trainer", f"hydra.run.dir={run_dir}", *QUICK, *LONG_RUN, "engine.backend=mpi"],
+        cwd=REPO, env=local_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists() or (pid := rank_pid(str(run_dir), 1)) \
+                is None:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.2)
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        output, _ = proc.communicate(timeout=TIMEOUT_S + 30)
+        assert TIMEOUT_S - 2 < time.monotonic() - start < TIMEOUT_S + 30
+        assert proc.returncode == 69, output
+        assert "MPI allreduce" in output and "timed out" in output and "lost rank 1" in output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if pid := rank_pid(str(run_dir), 1):
+            os.kill(pid, signal.SIGKILL)

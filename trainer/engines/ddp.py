@@ -6,11 +6,14 @@ joined through a TCPStore whose address comes from the launcher (runtime.py's
 table); the same store later tells survivors of a failure which ranks are gone.
 
 engine.backend=mpi (CPU, under mpirun): the gradient buckets are averaged by MPI
-through mpi4py instead of Gloo (a DDP communication hook), while the process group
-stays Gloo for the rest. On one host MPI moves them through shared memory, about ten
-times Gloo's bandwidth at 1 MB (benchmarks/). The hook blocks until its bucket is
+through mpi4py instead of Gloo (a DDP communication hook), and so are the loop's small
+sums (the per-step preemption vote, metrics); the process group stays Gloo for the
+rest (object broadcasts, the final barrier). On one host MPI moves them through shared
+memory, about ten times Gloo's bandwidth at 1 MB and a few microseconds instead of
+about a millisecond for a few values (benchmarks/). The hook waits until its bucket is
 reduced, so buckets do not overlap with the rest of backward: worth it while a
-bucket's MPI allreduce is shorter than Gloo's.
+bucket's MPI allreduce is shorter than Gloo's. MPI calls are polled against
+engine.timeout_s, so a hung rank fails the others as under Gloo.
 """
 
 from __future__ import annotations
@@ -120,13 +123,30 @@ def _horovodrun_rendezvous(launch: Launch, timeout: timedelta) -> dist.Store:
             time.sleep(0.1)  # rank 0 has not posted yet
 
 
-def _mpi_allreduce(comm, bucket):  # no annotations: DDP checks them as objects, not strings
-    """A DDP communication hook: the average of a gradient bucket (dist.GradBucket), by
-    MPI; returns a completed Future of the bucket's tensor."""
+def _mpi_allreduce_sum(comm, tensor: torch.Tensor, timeout_s: float) -> torch.Tensor:
+    """Sum a CPU tensor over MPI in place; a DistBackendError after ``timeout_s``.
+
+    MPI's own collectives wait forever for a rank that hangs (mpirun ends the job only
+    when one exits), so the allreduce is started non-blocking and polled against the
+    engine's timeout, as Gloo's are. Polling costs nothing here: the rank has nothing
+    else to do until the sum is in, and MPI's blocking call polls as well."""
     from mpi4py import MPI
 
-    tensor = bucket.buffer()
-    comm.Allreduce(MPI.IN_PLACE, tensor.numpy())  # the same memory: CPU tensors only
+    request = comm.Iallreduce(MPI.IN_PLACE, tensor.numpy())  # the tensor's own memory
+    deadline = time.monotonic() + timeout_s
+    while not request.Test():
+        if time.monotonic() > deadline:
+            raise dist.DistBackendError(
+                f"MPI allreduce of {tensor.numel()} values: timed out after {timeout_s:g} s "
+                "(engine.timeout_s)")
+    return tensor
+
+
+def _mpi_average_hook(state: tuple[Any, float], bucket):  # DDP checks no annotation here
+    """A DDP communication hook: the average of a gradient bucket (dist.GradBucket), by
+    MPI; returns a completed Future of the bucket's tensor."""
+    comm, timeout_s = state
+    tensor = _mpi_allreduce_sum(comm, bucket.buffer(), timeout_s)
     tensor.div_(comm.Get_size())
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(tensor)
@@ -172,7 +192,7 @@ class DDPEngine(Engine):
         if self.backend == "mpi":
             from mpi4py import MPI
 
-            ddp.register_comm_hook(MPI.COMM_WORLD, _mpi_allreduce)
+            ddp.register_comm_hook((MPI.COMM_WORLD, self.cfg.timeout_s), _mpi_average_hook)
         self._broadcast_optimizer_state(optimizer)
         return ddp, optimizer
 
@@ -186,8 +206,13 @@ class DDPEngine(Engine):
         return super().no_sync(model)
 
     def all_reduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        if self.world_size > 1:
-            dist.all_reduce(tensor)
+        if self.world_size == 1:
+            return tensor
+        if self.backend == "mpi":  # the per-step vote: microseconds over MPI, ms over Gloo
+            from mpi4py import MPI
+
+            return _mpi_allreduce_sum(MPI.COMM_WORLD, tensor, self.cfg.timeout_s)
+        dist.all_reduce(tensor)
         return tensor
 
     def broadcast_object(self, obj: Any) -> Any:

@@ -8,9 +8,12 @@ world-size-invariant order. Under torchrun it is DDP on Gloo with the usual shar
 
     python -m benchmarks.plain_loop --threads 2 --batch-size 128
     torchrun --standalone --nproc-per-node 2 -m benchmarks.plain_loop --batch-size 64
+    torchrun ... -m benchmarks.plain_loop --max-steps 40 --log-every 5   # throughput only
 
-Prints one JSON object: img/s over the training steps only, and the test accuracy at
-every evaluation with the training seconds before it.
+Prints one JSON object: img/s over the training steps only, img/s of every
+--log-every steps (the intervals the throughput benchmark reads, timed like the
+trainer's), and the test accuracy at every evaluation with the training seconds before
+it. A run cut short by --max-steps is not evaluated (throughput runs need no accuracy).
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ def main() -> None:
     p.add_argument("--reference-batch", type=int, default=128)
     p.add_argument("--warmup-epochs", type=float, default=0.5)
     p.add_argument("--eval-every", type=int, default=0, help="steps; 0: each epoch end")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    p.add_argument("--log-every", type=int, default=10, help="steps per img/s interval")
     args = p.parse_args()
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -78,6 +83,7 @@ def main() -> None:
     global_batch = args.batch_size * world
     steps_per_epoch = len(x_train) // global_batch
     total, warmup = args.epochs * steps_per_epoch, args.warmup_epochs * steps_per_epoch
+    stop = total if args.max_steps is None else min(total, args.max_steps)
     peak = args.lr * global_batch / args.reference_batch
     start_lr = min(args.lr, peak)
 
@@ -98,8 +104,10 @@ def main() -> None:
             dist.all_reduce(correct)
         return correct.item() / len(x_test)
 
-    train_seconds, step, evals = 0.0, 0, []
+    train_seconds, step, evals, intervals, logged = 0.0, 0, [], [], 0.0
     for epoch in range(args.epochs):
+        if step >= stop:
+            break
         order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
         start = time.perf_counter()
         for i in range(steps_per_epoch):
@@ -111,6 +119,13 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             step += 1
+            if step % args.log_every == 0:
+                now = train_seconds + time.perf_counter() - start
+                intervals.append({"step": step, "images_per_second":
+                                  args.log_every * global_batch / (now - logged)})
+                logged = now
+            if step == stop != total:  # cut short by --max-steps: not evaluated
+                break
             if (args.eval_every and step % args.eval_every == 0) or i == steps_per_epoch - 1:
                 train_seconds += time.perf_counter() - start
                 evals.append({"step": step, "train_seconds": train_seconds,
@@ -121,8 +136,9 @@ def main() -> None:
         print(json.dumps({
             "images_per_second": step * global_batch / train_seconds,
             "train_seconds": train_seconds, "steps": step, "world_size": world,
-            "global_batch": global_batch, "test_accuracy": evals[-1]["accuracy"],
-            "evals": evals,
+            "global_batch": global_batch,
+            "test_accuracy": evals[-1]["accuracy"] if evals else None,
+            "evals": evals, "intervals": intervals,
         }))
     if world > 1:
         dist.destroy_process_group()

@@ -191,10 +191,13 @@ def test_launch_takes_everything_down_after_an_error(cli, tmp_path):
 def test_launch_takes_everything_down_on_ctrl_c(aws, tmp_path):
     env = moto_env(aws, tmp_path, STAND_IN_SSH_DELAY="60")  # the job "hangs" until Ctrl-C
     # A session of its own, as a shell gives a job: Ctrl-C goes to its process group.
+    # And SIGINT's default action, as an interactive shell gives a foreground job, even
+    # when pytest itself runs in the background (`&` ignores SIGINT, for its children too).
     proc = subprocess.Popen([sys.executable, "-m", "launch", "launch", "nodes=2",
                              f"runs_dir={tmp_path / 'runs'}", *MOTO_CLUSTER], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in proc.stdout:
         if line.startswith("up: `python -m launch run`"):  # up is done; run is copying
             break

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import io
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -106,15 +106,17 @@ class S3Store:
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the new one, whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # A name of our own, opened exclusively: unlike mkstemp's 0600, the file gets the
+    # permissions of any other file the user writes (the umask's).
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
 

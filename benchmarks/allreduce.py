@@ -1,0 +1,118 @@
+"""Allreduce bandwidth against message size, per transport, nccl-tests style.
+
+    python -m benchmarks.allreduce                       # 2 ranks, 1 KB .. 64 MB
+    python -m benchmarks.allreduce --ranks 4 --transports gloo mpi --repeats 3
+
+Definitions (nccl-tests, doc/PERFORMANCE.md): for a message of S bytes that takes t
+seconds on n ranks, algbw = S / t and busbw = algbw x 2(n-1)/n, the rate each link of a
+ring carries (a ring allreduce sends 2(n-1)/n x S bytes per rank). busbw is what can
+be compared across rank counts and with the hardware's link speed. GB/s are 10^9 bytes.
+
+Transports, each started by its launcher (benchmarks/allreduce_ranks.py does the timing):
+
+    gloo          torch.distributed Gloo: the path of engine=ddp and the plain loop on CPUs
+    mpi           mpi4py, Open MPI's allreduce (shared memory between ranks on one host)
+    horovod-gloo  Horovod over Gloo (horovodrun --gloo): engine=horovod's default
+    horovod-mpi   Horovod over MPI (mpirun, HOROVOD_CPU_OPERATIONS=MPI)
+    nccl          torch.distributed NCCL, where there are GPUs
+
+Every size of every transport is measured --repeats times, transports interleaved;
+the median time counts. Each row also says how it compares with the best transport at
+that size (busbw / best busbw).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from benchmarks import record
+from benchmarks.runs import run_together, shown
+from launch.commands import local_command
+
+TRANSPORTS = {  # name: (launcher, what allreduce_ranks runs, environment)
+    "gloo": ("torchrun", "gloo", {}),
+    "mpi": ("mpirun", "mpi", {}),
+    "horovod-gloo": ("horovodrun", "horovod", {"HOROVOD_CPU_OPERATIONS": "GLOO"}),
+    "horovod-mpi": ("mpirun", "horovod", {"HOROVOD_CPU_OPERATIONS": "MPI"}),
+    "nccl": ("torchrun", "nccl", {}),
+}
+# The transport each training engine's gradients travel by.
+ENGINE_TRANSPORT = {"ddp": "gloo", "ddp-mpi": "mpi", "plain": "gloo",
+                    "horovod-gloo": "horovod-gloo", "horovod-mpi": "horovod-mpi"}
+KIB = 1024
+
+
+def available() -> list[str]:
+    return [t for t in TRANSPORTS if t != "nccl" or torch.cuda.device_count() >= 2]
+
+
+def sizes(smallest: int = KIB, largest: int = 64 * KIB**2, factor: int = 2) -> list[int]:
+    out = [smallest]
+    while out[-1] * factor <= largest:
+        out.append(out[-1] * factor)
+    return out
+
+
+def bandwidth(nbytes: int, seconds: float, ranks: int) -> dict[str, float]:
+    """nccl-tests' algorithm and bus bandwidth, GB/s."""
+    algbw = nbytes / seconds / 1e9
+    return {"algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (ranks - 1) / ranks}
+
+
+def _run(transport: str, ranks: int, message_sizes: list[int],
+         budget: float) -> tuple[dict, str]:
+    launcher, rank_side, env = TRANSPORTS[transport]
+    command = local_command(launcher, ranks, [rank_side, "--sizes", *map(str, message_sizes),
+                                              "--budget", str(budget)],
+                            module="benchmarks.allreduce_ranks")
+    (stdout,) = run_together([command], env)
+    # horovodrun prefixes every line of rank 0 with "[0]<stdout>:".
+    line = next(x for x in reversed(stdout.splitlines()) if '"transport"' in x)
+    return json.loads(line[line.index("{"):]), shown(command, env)
+
+
+def measure(transports: list[str], ranks: int, message_sizes: list[int], budget: float,
+            repeats: int) -> dict:
+    seconds: dict[str, dict[int, list[float]]] = {t: {} for t in transports}
+    commands: dict[str, str] = {}
+    for repeat in range(repeats):
+        for transport in transports if repeat % 2 == 0 else transports[::-1]:
+            result, commands[transport] = _run(transport, ranks, message_sizes, budget)
+            for row in result["results"]:
+                seconds[transport].setdefault(row["bytes"], []).append(row["seconds"])
+            print(f"[{repeat + 1}/{repeats}] allreduce over {transport}: "
+                  + ", ".join(f"{r['bytes'] // KIB} KiB {r['seconds'] * 1e3:.3g} ms"
+                              for r in result["results"][::4]), flush=True)
+    rows = {t: [{"bytes": n, "seconds": statistics.median(s), "seconds_per_repeat": s,
+                 **bandwidth(n, statistics.median(s), ranks)} for n, s in sorted(by_size.items())]
+            for t, by_size in seconds.items()}
+    for n in {r["bytes"] for rs in rows.values() for r in rs}:
+        at_n = [r for rs in rows.values() for r in rs if r["bytes"] == n]
+        best = max(r["busbw_gbps"] for r in at_n)
+        for r in at_n:
+            r["of_best"] = r["busbw_gbps"] / best
+    return {"ranks": ranks, "budget_seconds": budget, "repeats": repeats,
+            "commands": commands, "transports": rows}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--transports", nargs="+", default=None, choices=list(TRANSPORTS),
+                   help="default: all that this host has")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--budget", type=float, default=0.2, help="timed seconds per size")
+    p.add_argument("--size-factor", type=int, default=2, help="sizes 1 KiB x f^k to 64 MiB")
+    p.add_argument("--repeats", type=int, default=3)
+    record.add_name_argument(p, "allreduce")
+    args = p.parse_args()
+    record.write(args.name, "allreduce", lambda folder: {"allreduce": measure(
+        args.transports or available(), args.ranks, sizes(factor=args.size_factor),
+        args.budget, args.repeats)})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""python -m benchmarks.trainer_sweep -m ARGS: a Hydra sweep of the trainer in one process.
+
+    python -m benchmarks.trainer_sweep -m model=convnet,lenet train.batch_size=32,64 \
+        dataset=synthetic hydra.sweep.dir=DIR
+
+Every point of the sweep runs the trainer's own job (trainer/job.py: checks, engine,
+fit, summary.json), one after another, so Python, torch and the data are loaded once.
+It exists because `python -m trainer -m ...` ends after the first point today: its
+Hydra task exits the process with the job's exit code. When that task returns instead,
+this module can go and the batch-size benchmark can call `python -m trainer -m`.
+Single-process runs only (the sweep points share one process).
+"""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from trainer import config, job
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def _one_point(cfg: DictConfig) -> None:
+    code = job.run(cfg)
+    if code != job.EXIT_OK:
+        raise RuntimeError(f"the trainer exited with code {code}; see the log above")
+
+
+def main() -> None:
+    config.register()
+    _one_point()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""The benchmark report: every number in report.md is the one in results.json, the plots
+are real PNGs, bus bandwidth follows nccl-tests' definition; and one real benchmark run,
+kept lean, from `benchmarks.suite` to `benchmarks.report`."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+REFERENCE = REPO / "benchmarks" / "results" / "reference"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PLOTS = ["throughput.png", "efficiency.png", "allreduce.png", "batch_sizes.png",
+         "prediction.png"]
+NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")
+
+
+# ----------------------------------------------------------------- reading report.md
+
+
+def sections(markdown: str) -> dict[str, list[list[dict[str, str]]]]:
+    """Every '## ' section's tables, each a list of {header: cell} rows."""
+    out: dict[str, list[list[dict[str, str]]]] = {}
+    title, lines = "", markdown.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("## "):
+            title = line[3:]
+            out[title] = []
+        elif line.startswith("| ") and (i == 0 or not lines[i - 1].startswith("|")):
+            header = [c.strip() for c in line.strip("|").split("|")]
+            rows = []
+            for body in lines[i + 2:]:
+                if not body.startswith("|"):
+                    break
+                rows.append(dict(zip(header, (c.strip() for c in body.strip("|").split("|")),
+                                     strict=True)))
+            out[title].append(rows)
+    return out
+
+
+def section(parsed: dict, prefix: str) -> list[list[dict[str, str]]]:
+    return next(tables for title, tables in parsed.items() if title.startswith(prefix))
+
+
+def shows(cell: str, value: float, index: int = 0) -> bool:
+    """Whether the index-th number in ``cell`` is ``value`` as printed (to its digits)."""
+    text = NUMBER.findall(cell)[index].replace(",", "")
+    mantissa, _, exponent = text.partition("e")
+    digits = len(mantissa.partition(".")[2])
+    tolerance = 0.5 * 10 ** (int(exponent or 0) - digits) * (1 + 1e-9)
+    return abs(float(text) - value) <= tolerance
+
+
+def size_of(label: str) -> int:
+    number, unit = label.split()[:2]
+    return int(number.replace(",", "")) * {"B": 1, "KiB": 2**10, "MiB": 2**20}[unit]
+
+
+def check_report(folder: Path) -> int:
+    """Compare every number of report.md's tables with results.json; how many matched."""
+    results = json.loads((folder / "results.json").read_text())
+    parsed = sections((folder / "report.md").read_text())
+    checked = 0
+
+    def expect(cell: str, value: float, index: int = 0) -> None:
+        nonlocal checked
+        assert shows(cell, value, index), (cell, value)
+        checked += 1
+
+    (rows,) = section(parsed, "Throughput")
+    assert len(rows) == len(results["throughput"]["rows"])
+    for row in rows:
+        j = next(x for x in results["throughput"]["rows"]
+                 if x["label"] == row["configuration"] and str(x["batch"]) == row["batch / worker"])
+        expect(row["img/s per worker"], j["per_worker"]["mean"])
+        expect(row["img/s per worker"], j["per_worker"]["ci95"], 1)
+        expect(row["img/s total"], j["total"]["mean"])
+        expect(row["img/s total (median)"], j["total_median"])
+        expect(row["step ms"], j["step_ms"])
+        if "efficiency" in j:
+            expect(row["efficiency"], 100 * j["efficiency"])
+            expect(row["speedup"], j["speedup"])
+        if "communication_ms" in j:
+            expect(row["compute ms"], j["compute_ms"])
+            expect(row["communication ms"], j["communication_ms"])
+
+    (rows,) = section(parsed, "Engines")
+    for row in rows:
+        j = next(x for x in results["mnist_engines"]["rows"] if x["engine"] == row["engine"])
+        expect(row["img/s (median)"], j["total_median"])
+        expect(row["allreduce ms"], j["allreduce_ms"])
+        expect(row["busbw GB/s"], j["busbw_gbps"])
+
+    busbw, algbw = section(parsed, "Allreduce")
+    for table, key in ((busbw, "busbw_gbps"), (algbw, "algbw_gbps")):
+        for row in table:
+            n = size_of(row["size"])
+            for transport, rows_json in results["allreduce"]["transports"].items():
+                expect(row[transport], next(x[key] for x in rows_json if x["bytes"] == n))
+
+    (rows,) = section(parsed, "Batch sizes")
+    for row in rows:
+        for j in (x for x in results["batch_sizes"]["rows"] if x["model"] == row["model"]):
+            expect(row[str(j["batch"])], j["images_per_second"]["mean"])
+            expect(row[str(j["batch"])], j["images_per_second"]["ci95"], 1)
+
+    published, machine = section(parsed, "Predictor")
+    for rows, key, rows_json in ((published, "published", results["prediction"]["published"]),
+                                 (machine, "measured img/s", results["prediction"]["machine"])):
+        assert len(rows) == len(rows_json)
+        for row, j in zip(rows, rows_json, strict=True):
+            expect(row[key], j["published"])
+            expect(row["predicted"], j["predicted"])
+            expect(row["error"], 100 * j["error"])
+    for row, j in zip(machine, results["prediction"]["machine"], strict=True):
+        assert (row["engine"], int(row["batch"])) == (j["engine"], j["batch"])
+        expect(row["wait ms"], j["wait_ms"])
+        expect(row["comm ms"], j["communication_ms"])
+    return checked
+
+
+def check_plots(folder: Path) -> None:
+    for name in PLOTS:
+        data = (folder / name).read_bytes()
+        assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000, name
+
+
+def check_bus_bandwidth(results: dict) -> None:
+    n = results["allreduce"]["ranks"]
+    for rows in results["allreduce"]["transports"].values():
+        for row in rows:
+            assert row["algbw_gbps"] == pytest.approx(row["bytes"] / row["seconds"] / 1e9)
+            assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 * (n - 1) / n)
+
+
+# ------------------------------------------------------------------------------ tests
+
+
+def test_the_reference_report_shows_the_numbers_of_its_results_json():
+    assert check_report(REFERENCE) > 100
+    check_plots(REFERENCE)
+    check_bus_bandwidth(json.loads((REFERENCE / "results.json").read_text()))
+
+
+def test_the_report_is_rendered_from_results_json_alone(tmp_path):
+    shutil.copy(REFERENCE / "results.json", tmp_path / "results.json")
+    subprocess.run([sys.executable, "-m", "benchmarks.report", str(tmp_path)], cwd=REPO,
+                   check=True, capture_output=True)
+    assert check_report(tmp_path) > 100
+    check_plots(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_quick_benchmark_run_from_measurement_to_report(tmp_path):
+    """The suite as `make bench QUICK=1` runs it, narrowed to one engine, one transport
+    and one model so that it takes about a minute."""
+    run = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "benchmarks.suite", "--quick", "--name", str(run),
+                    "--engines", "ddp", "--model", "convnet", "--transports", "gloo",
+                    "--table-models", "lenet", "--table-batch-sizes", "32"],
+                   cwd=REPO, check=True, capture_output=True, timeout=600)
+    subprocess.run([sys.executable, "-m", "benchmarks.report", str(run)], cwd=REPO,
+                   check=True, capture_output=True)
+    results = json.loads((run / "results.json").read_text())
+    assert check_report(run) > 20
+    check_plots(run)
+    check_bus_bandwidth(results)
+    for r in results["throughput"]["runs"]:
+        assert len(r["per_worker"]) >= 5 * (r["workers"] if r["independent"] else 1)
+    two = next(r for r in results["throughput"]["rows"]
+               if r["workers"] == 2 and not r["independent"])
+    assert two["total_median"] == pytest.approx(2 * two["per_worker_median"]["median"])
+    assert results["machine"]["cores"] and results["command"].startswith("python -m")

@@ -1,0 +1,103 @@
+"""The scaling predictor: its model, its fit, its answer, and the published figures it must
+reproduce within 10% (benchmarks/predict.py documents the parameters and sources)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from benchmarks.allreduce import bandwidth
+from benchmarks.predict import (
+    PRESETS,
+    cost_optimal,
+    expected_max_of_normals,
+    fit_alpha_beta,
+    predict,
+    ring_allreduce_seconds,
+    step_seconds,
+    validate_published,
+)
+from tests.conftest import REPO
+
+
+@pytest.mark.parametrize("row", validate_published(), ids=lambda r: f"{r['case']}-{r['nodes']}")
+def test_reproduces_the_published_figures_within_10_percent(row):
+    assert abs(row["error"]) <= 0.10, row
+
+
+@pytest.mark.parametrize("row", validate_published(), ids=lambda r: f"{r['case']}-{r['nodes']}")
+def test_without_step_time_jitter_the_published_figures_are_still_within_10_percent(row):
+    """The 1% jitter of the GPU cases is an assumption; the fit does not rest on it."""
+    s = replace(PRESETS[row["case"]], jitter=0.0)
+    assert abs(predict(s, row["nodes"])[row["what"]] / row["published"] - 1) <= 0.10
+
+
+def test_the_slowest_of_n_workers_is_e_n_standard_deviations_late():
+    assert expected_max_of_normals(1) == 0.0
+    assert expected_max_of_normals(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-6)
+    assert expected_max_of_normals(4) == pytest.approx(1.0294, abs=1e-4)  # tables of e_N
+
+
+def test_the_published_figures_are_the_ones_of_the_sources():
+    published = {(r["case"], r["nodes"]): r["published"] for r in validate_published()}
+    assert published == {("chameleon-resnet50", 1): 194.86, ("chameleon-resnet50", 2): 389.81,
+                         ("chameleon-resnet50", 8): 1466.31, ("horovod-resnet101", 128): 0.90}
+
+
+def test_bus_bandwidth_is_algorithm_bandwidth_times_2_n_minus_1_over_n():
+    for ranks in (2, 3, 4, 8, 512):
+        b = bandwidth(8_000_000, 0.004, ranks)
+        assert b["algbw_gbps"] == pytest.approx(2.0)
+        assert b["busbw_gbps"] == pytest.approx(2.0 * 2 * (ranks - 1) / ranks)
+
+
+def test_a_ring_at_link_speed_shows_the_link_speed_as_bus_bandwidth():
+    """busbw is defined so that it reads the link's rate, whatever the ring's size."""
+    link = 3e9
+    for ranks in (2, 4, 64):
+        seconds = ring_allreduce_seconds(64e6, ranks, 0.0, link)
+        assert bandwidth(64_000_000, seconds, ranks)["busbw_gbps"] == pytest.approx(link / 1e9)
+
+
+def test_the_fit_recovers_alpha_and_beta():
+    alpha, beta, ranks = 40e-6, 1.2e9, 2
+    rows = [{"bytes": n, "seconds": ring_allreduce_seconds(n, ranks, alpha, beta)}
+            for n in (2**k for k in range(10, 27, 2))]
+    fitted_alpha, fitted_beta = fit_alpha_beta(rows, ranks)
+    assert fitted_alpha == pytest.approx(alpha, rel=1e-6)
+    assert fitted_beta == pytest.approx(beta, rel=1e-6)
+
+
+def test_one_bucket_cannot_overlap_with_backward():
+    s = replace(PRESETS["chameleon-resnet50"], bucket_bytes=1e12)
+    exposed = step_seconds(s, 8)["communication"]
+    assert exposed == pytest.approx(ring_allreduce_seconds(s.gradient_bytes, 8, s.latency_s,
+                                                           s.bandwidth))
+
+
+def test_more_nodes_are_faster_but_less_efficient():
+    s = PRESETS["horovod-resnet101"]
+    rows = [predict(s, n) for n in (1, 2, 8, 64, 256)]
+    assert all(a["img_s"] < b["img_s"] for a, b in zip(rows, rows[1:], strict=False))
+    assert all(a["efficiency"] >= b["efficiency"] for a, b in zip(rows, rows[1:], strict=False))
+
+
+def test_cost_optimal_is_the_cheapest_node_count_that_meets_the_deadline():
+    s = PRESETS["horovod-resnet101"]
+    best = cost_optimal(s, deadline_hours=6)
+    everything = [predict(s, n) for n in range(1, 257)]
+    in_time = [p for p in everything if p["hours"] <= 6]
+    assert best["hours"] <= 6 and best["cost"] == min(p["cost"] for p in in_time)
+    assert cost_optimal(s, deadline_hours=0.01) is None  # faster than 256 nodes can go
+
+
+def test_the_command_line_names_the_cost_optimal_node_count():
+    out = subprocess.run([sys.executable, "-m", "benchmarks.predict", "--preset",
+                          "horovod-resnet101", "--deadline-hours", "6", "--price", "3"],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert "cost-optimal for a 6 h deadline: 14 nodes" in out
+    assert "256" in out  # the table runs to 256 nodes

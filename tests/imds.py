@@ -18,7 +18,10 @@ TOKEN = "stub-imds-token"
 
 
 class MetadataStub:
-    def __init__(self) -> None:
+    def __init__(self, unavailable: int = 0) -> None:
+        """``unavailable``: answer the first that many token requests 503, as a busy
+        new instance's metadata service may."""
+        self.unavailable = unavailable
         self.instance_action: dict | None = None
         self.rebalance: dict | None = None
         self.requests: list[tuple[str, str, bool]] = []  # (method, path, had a token)
@@ -36,7 +39,10 @@ class MetadataStub:
 
             def do_PUT(self) -> None:
                 stub.requests.append(("PUT", self.path, False))
-                if self.path == "/latest/api/token" and self.headers.get(
+                if stub.unavailable > 0:
+                    stub.unavailable -= 1
+                    self._reply(503)
+                elif self.path == "/latest/api/token" and self.headers.get(
                         "X-aws-ec2-metadata-token-ttl-seconds"):
                     self._reply(200, TOKEN.encode())
                 else:

@@ -231,3 +231,47 @@ def test_sigterm_handler_is_restored(monkeypatch):
     assert signal.getsignal(signal.SIGTERM) != before
     watcher.close()
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+class OneRank:
+    """The engine of a job of one rank, where the vote's sum is the rank's own vote."""
+
+    device = torch.device("cpu")
+
+    def all_reduce_sum(self, tensor, name):
+        return tensor
+
+
+def next_decision(watcher, timeout=10.0):
+    """The first decision other than "go on", polled as the loop does at each step."""
+    from trainer.preemption import Decision
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        decision = watcher.decide()
+        if decision != Decision(None, False):
+            return decision
+        time.sleep(0.02)
+    raise AssertionError(f"no decision within {timeout} s")
+
+
+def test_the_watcher_survives_a_missed_first_probe_and_sees_a_rebalance_then_a_notice(
+        monkeypatch):
+    from omegaconf import OmegaConf
+
+    from trainer.preemption import Decision, Preemption
+
+    imds = MetadataStub(unavailable=1)
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", imds.url)
+    cfg = OmegaConf.create({"imds": True, "poll_seconds": 0.05, "check_every_steps": 1})
+    watcher = Preemption(cfg, OneRank(), local_rank=0)
+    try:
+        imds.recommend_rebalance()
+        assert next_decision(watcher) == Decision(None, True)  # checkpoint, and go on
+        imds.announce_interruption()
+        decision = next_decision(watcher)  # the rebalance is not answered twice
+        assert decision.stop.startswith("spot terminate notice for ") and not decision.checkpoint
+    finally:
+        watcher.close()
+        imds.close()
+    assert imds.requests[0] == ("PUT", "/latest/api/token", False)  # the one refused

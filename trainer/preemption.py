@@ -16,8 +16,8 @@ and at every step boundary the ranks add up their votes in one small allreduce, 
 of them see the same answer at the same step. On "stop", rank 0 writes a checkpoint
 at once and the job exits with code 75 (preempted); the launcher replaces the node and
 resumes. The endpoint follows AWS_EC2_METADATA_SERVICE_ENDPOINT as boto does, so tests
-point it at a local server. Off EC2 the first token request fails within a second and
-the thread stops polling; SIGTERM still works.
+point it at a local server. Off EC2 the first requests fail within a second each and the
+thread stops polling after three of them; SIGTERM still works.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_ENDPOINT = "http://169.254.169.254"
 _TOKEN_TTL_SECONDS = 21600
+_PROBES = 3  # first requests before deciding there is no metadata service
 
 
 class Preempted(Exception):
@@ -113,12 +114,15 @@ class Preemption:
         self._stop = self._stop or "SIGTERM"
 
     def _watch(self, metadata: Metadata) -> None:
-        try:
-            metadata.get("spot/instance-action")
-        except (OSError, ValueError) as e:
-            log.debug("no instance metadata service at %s (%s): not watching for spot "
-                      "notices", metadata.endpoint, e)
-            return
+        for probe in range(_PROBES):  # a busy new instance may miss one; off EC2 all fail
+            try:
+                metadata.get("spot/instance-action")
+                break
+            except (OSError, ValueError) as e:
+                if probe == _PROBES - 1 or self._closed.wait(self.cfg.poll_seconds):
+                    log.debug("no instance metadata service at %s (%s): not watching for "
+                              "spot notices", metadata.endpoint, e)
+                    return
         log.info("watching %s for spot interruption notices every %g s",
                  metadata.endpoint, self.cfg.poll_seconds)
         while not self._closed.wait(self.cfg.poll_seconds):

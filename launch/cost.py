@@ -2,9 +2,10 @@
 
     now     $/hour per node and for N nodes, per instance type and zone, cheapest zone
             first, from the spot price history
-    a run   node-hours (each node from its launch to `down`, or to now) x the spot price
-            it was launched at, and the training time's share per epoch (summary.json:
-            train_seconds, epochs); on-demand nodes have no price in the EC2 API
+    a run   node-hours (each node from its launch to `down`, to now, or to when it was
+            lost) x the spot price it was launched at; $/epoch of the training time
+            alone (summary.json: train_seconds, epochs) and of the whole run; on-demand
+            nodes have no price in the EC2 API
 """
 
 from __future__ import annotations
@@ -34,21 +35,29 @@ def hourly(provider: Provider, count: int) -> list[str]:
 
 
 def after_run(run: RunDir) -> list[str]:
-    state, nodes = run.state(), run.nodes()
-    if not nodes:
+    state, billed = run.state(), run.billed()
+    if not billed:
         return [f"cost: run {run.id} has no nodes"]
     end = state.get("destroyed_at", time.time())
-    hours = [max(0.0, end - n.launched_at) / 3600 for n in nodes]
-    priced = [(h, n.price) for h, n in zip(hours, nodes, strict=True) if n.price is not None]
-    unpriced = len(nodes) - len(priced)
-    lines = [f"cost: run {run.id}: {len(nodes)} nodes, {sum(hours):.4f} node-hours"
+    hours = [max(0.0, (left or end) - n.launched_at) / 3600 for n, left in billed]
+    priced = [h * n.price for h, (n, _) in zip(hours, billed, strict=True) if n.price is not None]
+    unpriced, retired = len(billed) - len(priced), sum(left is not None for _, left in billed)
+    total = sum(priced)
+    lines = [f"cost: run {run.id}: {len(billed)} nodes"
+             + (f" ({retired} of them lost and replaced)" if retired else "")
+             + f", {sum(hours):.4f} node-hours"
              + ("" if "destroyed_at" in state else " so far (still up)")
-             + f", {usd(sum(h * p for h, p in priced))}"
+             + f", {usd(total)}"
              + (f" + {unpriced} nodes without a known price" if unpriced else "")]
     summary = run.job / "summary.json"
     if summary.exists():
         s = json.loads(summary.read_text())
-        train = s["train_seconds"] / 3600 * sum(p for _, p in priced)
-        lines.append(f"cost: training: {s['train_seconds']:.1f} s, {s['epochs']:.3f} epochs on "
-                     f"{s['world_size']} workers: {usd(train)}, {usd(train / s['epochs'])}/epoch")
+        # The last try's training alone (after a restart, summary.json covers only it).
+        epochs = s["epochs"] * s["steps_this_run"] / max(s["steps"], 1)
+        price = sum(n.price for n, left in billed if left is None and n.price is not None)
+        train = s["train_seconds"] / 3600 * price
+        lines.append(f"cost: training: {s['train_seconds']:.1f} s for {epochs:.3f} epochs on "
+                     f"{s['world_size']} workers: {usd(train)}, {usd(train / max(epochs, 1e-9))}"
+                     f"/epoch; the whole run (start-up, restarts, idle): "
+                     f"{usd(total / max(s['epochs'], 1e-9))}/epoch over {s['epochs']:.3f} epochs")
     return lines

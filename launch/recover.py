@@ -5,9 +5,10 @@ and resume, up to cluster.max_restarts times.
     exit 0                            done
     exit 75 (preempted), 69 (a rank   a restart: wait (up to cluster.notice_wait_s) for the
     was lost), or a node not running  noticed node to leave `running`, replace the lost
-                                      nodes (same type, or the provider's next type or
-                                      zone); if none can be had, go on with the survivors
-                                      when they are at least cluster.min_nodes
+    (or no longer reachable by ssh)   nodes (on EC2: the same type, else the next of
+                                      cluster.instance_types, in the run's zone); if none
+                                      can be had, go on with the survivors when they are
+                                      at least cluster.min_nodes
     any other exit                    the job's own failure: stop
 
 On fewer (or again more) workers the global batch stays what it was: train.accumulation
@@ -28,6 +29,7 @@ from omegaconf import DictConfig
 from launch.provider import NoCapacity, Node, Provider
 from launch.run import run as run_job
 from launch.rundir import RunDir
+from launch.ssh import RemoteError
 from launch.up import admit
 from trainer import config as trainer_config
 from trainer.job import EXIT_PEER_LOST, EXIT_PREEMPTED
@@ -48,31 +50,42 @@ def supervise(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
                  "starts over. checkpoint.uri=s3://bucket/prefix keeps them in S3 instead")
     restarts = 0
     while True:
-        code = run_job(cfg, run, provider)
+        try:
+            code = run_job(cfg, run, provider)
+        except RemoteError as e:  # ssh to a node failed: lost, or a failure of its own
+            code, unreachable = None, e
         if code == 0:
             return 0
-        lost = _lost_nodes(cfg, provider, waiting=code == EXIT_PREEMPTED)
-        if code not in (EXIT_PREEMPTED, EXIT_PEER_LOST) and not lost:
-            return code  # the job failed by itself: another try would fail the same way
         if restarts >= cfg.cluster.max_restarts:
-            log.info("recover: exit %d with %d node(s) lost, and no restarts left "
-                     "(cluster.max_restarts=%d)", code, len(lost), cfg.cluster.max_restarts)
+            if code is None:
+                raise unreachable
+            log.info("recover: exit %d, and no restarts left (cluster.max_restarts=%d)",
+                     code, cfg.cluster.max_restarts)
             return code
+        lost = _lost_nodes(cfg, run, provider, waiting=code == EXIT_PREEMPTED)
+        if code not in (EXIT_PREEMPTED, EXIT_PEER_LOST) and not lost:
+            if code is None:
+                raise unreachable
+            return code  # the job failed by itself: another try would fail the same way
         restarts += 1
-        log.info("recover: restart %d of %d: exit %d, lost %s", restarts,
-                 cfg.cluster.max_restarts, code,
+        log.info("recover: restart %d of %d: %s, lost %s", restarts,
+                 cfg.cluster.max_restarts,
+                 f"exit {code}" if code is not None else f"ssh failed ({unreachable})",
                  ", ".join(n.id for n in lost) or "no node (every node still runs)")
         nodes = _replace(cfg, run, provider, lost)
         cfg.job.args = _restart_args(cfg.job.args, batch, workers,
                                      sum(n.slots for n in nodes))
 
 
-def _lost_nodes(cfg: DictConfig, provider: Provider, waiting: bool) -> list[Node]:
-    """The run's nodes that are no longer running. After a spot notice (exit 75) the
-    instance still runs for up to two minutes: wait for it to go."""
+def _lost_nodes(cfg: DictConfig, run: RunDir, provider: Provider,
+                waiting: bool) -> list[Node]:
+    """The run's nodes that no longer run: not `running`, or gone from the provider's
+    list altogether (EC2 stops listing terminated instances after a while). After a
+    spot notice (exit 75) the instance still runs for up to two minutes: wait for it."""
     deadline = time.monotonic() + (cfg.cluster.notice_wait_s if waiting else 0)
     while True:
-        lost = [n for n in provider.describe() if n.state != "running"]
+        running = {n.id for n in provider.describe() if n.state == "running"}
+        lost = [n for n in run.nodes() if n.id not in running]
         if lost or time.monotonic() >= deadline:
             return lost
         time.sleep(cfg.cluster.notice_poll_s)
@@ -99,6 +112,7 @@ def _replace(cfg: DictConfig, run: RunDir, provider: Provider, lost: list[Node])
                  "(cluster.min_nodes=%d)", e, len(survivors), cfg.cluster.min_nodes)
         new = []
     nodes = survivors + new
+    run.retire(lost)
     admit(cfg, run, nodes, new)
     return nodes
 

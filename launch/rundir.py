@@ -1,7 +1,8 @@
 """One launch's directory, runs/launch/<run id>/, and what it holds:
 
     launch.yaml        the config `up` composed; later commands take the cluster from it
-    state.json         the nodes (addresses, type, zone, price), when they came and went
+    state.json         the nodes (addresses, type, zone, price), when they came and went,
+                       and those that left the run (lost spot nodes) for the bill
     id_ed25519[.pub]   the run's SSH key pair (private key 0600, never leaves this machine
                        except to node 0, which uses it to reach the other nodes)
     known_hosts        the nodes' host keys, scanned at `up`
@@ -12,7 +13,7 @@
                        summary.json, the final checkpoint
     nodes/             local cluster only: each node's sshd files, ~/.ssh and workdir
 
-Run ids sort by time (20261122-114501-3f2a), so the newest run is the last one.
+Run ids sort by time (20261122-114501-3f2a); the newest run is the one `up` made last.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class RunDir:
     @classmethod
     def find(cls, runs_dir: str | Path, run_id: str | None) -> RunDir:
         """The run named ``run_id``, or the newest one under ``runs_dir``."""
-        runs = sorted(Path(runs_dir).glob("*/launch.yaml"))
+        # By when `up` wrote launch.yaml: a run_id= of the user's own need not sort by time.
+        runs = sorted(Path(runs_dir).glob("*/launch.yaml"), key=lambda p: p.stat().st_mtime)
         if run_id is not None:
             run = cls(Path(runs_dir) / run_id)
             if not run.config.exists():
@@ -92,3 +94,16 @@ class RunDir:
 
     def save_nodes(self, nodes: list[Node]) -> None:
         self.save(nodes=[asdict(n) for n in nodes])
+
+    def retire(self, nodes: list[Node]) -> None:
+        """Record nodes that left the run (taken back by EC2, or replaced): they were
+        billed until now, and `cost` still counts them."""
+        left = [{**asdict(n), "left_at": time.time()} for n in nodes]
+        self.save(retired=self.state().get("retired", []) + left)
+
+    def billed(self) -> list[tuple[Node, float]]:
+        """Every node the run had, with when it left (None: still in the run)."""
+        state = self.state()
+        retired = [(Node(**{k: v for k, v in n.items() if k != "left_at"}), n["left_at"])
+                   for n in state.get("retired", [])]
+        return retired + [(n, None) for n in self.nodes()]

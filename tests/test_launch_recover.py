@@ -1,15 +1,22 @@
-"""Recovery decisions that need no cluster: the global batch kept on fewer workers, and
-going on with the survivors when no replacement can be had. (The whole recovery, with
+"""Recovery decisions that need no cluster: the global batch kept on fewer workers,
+going on with the survivors when no replacement can be had, which exits and which lost
+nodes make a restart. (The whole recovery, with
 a node really taken away, is in tests/test_launch_local.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 from omegaconf import OmegaConf
 
+from launch.cost import after_run
 from launch.provider import NoCapacity, Node, Provider
-from launch.recover import _replace, _restart_args, keep_global_batch
+from launch.recover import _replace, _restart_args, keep_global_batch, supervise
 from launch.rundir import RunDir
+from launch.ssh import RemoteError
+from trainer.job import EXIT_PEER_LOST, EXIT_PREEMPTED
 
 
 @pytest.mark.parametrize("before, workers, now, after", [
@@ -68,3 +75,105 @@ def test_without_replacements_the_survivors_go_on_if_they_are_enough(tmp_path, m
     cfg.cluster.min_nodes = 3
     with pytest.raises(NoCapacity, match="2 left is below cluster.min_nodes=3"):
         _replace(cfg, run, NoSpotLeft(), [node(1)])
+
+
+class Fleet(Provider):
+    """A provider whose nodes EC2 has stopped listing once terminated (as it does after
+    a while), and which has replacements to give: it stands in for EC2's describe and
+    create_fleet, which tests/test_launch_aws.py covers against moto."""
+
+    name = "test"
+    workdir = "/tmp"
+
+    def __init__(self, listed):
+        self.listed, self.replaced = listed, []
+
+    def describe(self):
+        return self.listed
+
+    def replace(self, lost):
+        self.replaced.append([n.id for n in lost])
+        return [node(9)]
+
+    plan = check = create = destroy = None
+
+
+def supervised(tmp_path, monkeypatch, codes, listed, max_restarts=1):
+    """supervise() over jobs that exit with ``codes`` in turn (an exception is raised)."""
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir(parents=True)
+    run.save_nodes([node(0), node(1)])
+    codes = iter(codes)
+
+    def job(cfg, run, provider):
+        code = next(codes)
+        if isinstance(code, Exception):
+            raise code
+        return code
+
+    monkeypatch.setattr("launch.recover.run_job", job)
+    monkeypatch.setattr("launch.recover.admit", lambda cfg, run, nodes, new:
+                        run.save_nodes(nodes))
+    cfg = OmegaConf.create({"job": {"args": ["train.batch_size=32"]}, "cluster": {
+        "min_nodes": 2, "max_restarts": max_restarts, "notice_wait_s": 3600,
+        "notice_poll_s": 0.01}})
+    provider = Fleet(listed)
+    return supervise(cfg, run, provider), provider, run, cfg
+
+
+def test_a_node_no_longer_listed_is_lost_and_replaced(tmp_path, monkeypatch):
+    code, provider, run, cfg = supervised(tmp_path, monkeypatch, [EXIT_PEER_LOST, 0],
+                                          listed=[node(0)])
+    assert code == 0
+    assert provider.replaced == [["n1"]]
+    assert [n.id for n in run.nodes()] == ["n0", "n9"]
+    assert "resume=auto" in cfg.job.args
+
+
+def test_without_restarts_left_the_code_comes_back_at_once(tmp_path, monkeypatch):
+    # notice_wait_s=3600: waiting for the noticed node to go would hang this test.
+    code, provider, _, _ = supervised(tmp_path, monkeypatch, [EXIT_PREEMPTED],
+                                      listed=[node(0), node(1)], max_restarts=0)
+    assert code == EXIT_PREEMPTED
+    assert provider.replaced == []
+
+
+def test_a_failure_of_the_job_itself_is_not_retried(tmp_path, monkeypatch):
+    code, provider, _, _ = supervised(tmp_path, monkeypatch, [1], listed=[node(0), node(1)])
+    assert code == 1
+    assert provider.replaced == []
+
+
+def test_ssh_failing_to_a_node_that_was_lost_is_a_restart(tmp_path, monkeypatch):
+    error = RemoteError(node(1), "tar -xzmf -", 255, "Connection refused")
+    code, provider, _, _ = supervised(tmp_path, monkeypatch, [error, 0], listed=[node(0)])
+    assert code == 0
+    assert provider.replaced == [["n1"]]
+    with pytest.raises(RemoteError, match="Connection refused"):  # every node still runs
+        supervised(tmp_path / "again", monkeypatch, [error], listed=[node(0), node(1)])
+
+
+def test_a_lost_nodes_hours_stay_on_the_bill(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    hour = 3600.0
+    lost, kept, new = (dataclasses.replace(node(i), launched_at=t, price=1.0)
+                       for i, t in ((1, 0.0), (0, 0.0), (9, hour)))
+    run.save_nodes([kept, lost])
+    run.retire([lost])
+    run.save_nodes([kept, new])
+    state = run.state()
+    state["retired"][0]["left_at"] = hour  # lost after an hour
+    run.save(retired=state["retired"], destroyed_at=2 * hour)
+    run.job.mkdir()
+    (run.job / "summary.json").write_text(json.dumps({
+        "train_seconds": hour, "epochs": 4.0, "steps": 400, "steps_this_run": 200,
+        "world_size": 2}))
+    bill, training = after_run(run)
+    # n0 2 h, n1 1 h until lost, n9 1 h since it came: 4 node-hours at $1.
+    assert bill == f"cost: run {run.id}: 3 nodes (1 of them lost and replaced), " \
+                   "4.0000 node-hours, $4.0000"
+    # The last try: 1 h of 2 nodes for 2 epochs; the whole run: $4 over 4 epochs.
+    assert training == ("cost: training: 3600.0 s for 2.000 epochs on 2 workers: $2.0000, "
+                        "$1.0000/epoch; the whole run (start-up, restarts, idle): "
+                        "$1.0000/epoch over 4.000 epochs")

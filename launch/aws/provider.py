@@ -102,16 +102,18 @@ class AwsSpot(Provider):
                 user_data=user_data.render(self.cfg.ssh_user, self.cfg.workdir))
             log.info("up: launch template %s (%s)%s", name, pf.ami,
                      f", placement group {name}" if placement else "")
-            return self._fleet(count, run_tags, self.preflight.subnets)
+            return self._fleet(count, run_tags, self.preflight.subnets,
+                               list(self.cfg.instance_types))
         except BaseException:
             log.info("up: failed; deleting what was made")
             for line in self.destroy():
                 log.info("up: %s", line)
             raise
 
-    def _fleet(self, count: int, run_tags: tags.Tags, subnets: dict[str, str]) -> list[Node]:
+    def _fleet(self, count: int, run_tags: tags.Tags, subnets: dict[str, str],
+               types: list[str]) -> list[Node]:
         failures = []
-        for attempt in fleet.attempts(list(self.cfg.instance_types), subnets,
+        for attempt in fleet.attempts(types, subnets,
                                       self.cfg.on_demand_fallback):
             launched = fleet.launch(self.ec2, attempt, count, self.template, run_tags,
                                     self.cfg.max_price)
@@ -150,8 +152,10 @@ class AwsSpot(Provider):
                             {"Name": "instance-state-name", "Values": resources.LIVE}])
 
     def replace(self, lost: Sequence[Node]) -> list[Node]:
-        """As many new instances from the run's launch template, in the run's zone (its
-        placement group and its other nodes are there); the caller records the new list."""
+        """As many new instances from the run's launch template: the lost nodes' type
+        first, then cluster.instance_types in order, in the lost nodes' zone only (the
+        cluster placement group and the other nodes are there, and a ring across zones
+        is slower and billed per GB). The caller records the new list."""
         self.ec2.terminate_instances(InstanceIds=[n.id for n in lost])
         templates = self.ec2.describe_launch_templates(
             Filters=tags.run_filter(self.run.id))["LaunchTemplates"]
@@ -159,7 +163,8 @@ class AwsSpot(Provider):
         run_tags = tags.Tags(self.project, self.run.id, self.preflight.owner)
         zones = {n.zone for n in lost}
         subnets = {z: s for z, s in self.preflight.subnets.items() if z in zones}
-        return self._fleet(len(lost), run_tags, subnets)
+        types = list(dict.fromkeys([*(n.type for n in lost), *self.cfg.instance_types]))
+        return self._fleet(len(lost), run_tags, subnets, types)
 
     def destroy(self, all_mine: bool = False) -> list[str]:
         filters = (tags.owner_filter(self.project, checks.caller_arn(self.session))

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from launch.commands import LAUNCHER_ENV
 from launch.provider import Node
+from trainer.job import EXIT_PREEMPTED
 
 ENGINES = {"horovodrun": "horovod", "mpirun": "horovod", "torchrun": "ddp"}
 TORCHRUN_PORT = 29400
@@ -38,10 +39,13 @@ class JobCommand:
     launcher: str
     commands: dict[int, str]  # node index -> shell command
 
-    def exit_code(self, returncode: int, output: str) -> int:
-        """The trainer's exit code. horovodrun exits 1 whatever the ranks did and names
-        the first failed rank's code in its last words; pass that on, so that the
-        launcher can tell a lost rank (69) or a preemption (75) from a failure."""
+    def exit_code(self, returncode: int, output: str, preempted: bool = False) -> int:
+        """The trainer's exit code, so that the launcher can tell a lost rank (69) or a
+        preemption (75) from a failure. horovodrun exits 1 whatever the ranks did and
+        names the first failed rank's code in its last words; torchrun exits 1 too and
+        names none reliably, but rank 0 leaves preempted.json (``preempted``)."""
+        if returncode != 0 and preempted:
+            return EXIT_PREEMPTED
         if self.launcher == "horovodrun" and returncode != 0:
             codes = re.findall(r"^Exit code: (\d+)$", output, re.MULTILINE)
             if codes:

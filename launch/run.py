@@ -13,6 +13,7 @@ Returns the trainer's exit code: 0 done, 1 failed, 2 bad input, 69 a rank was lo
 from __future__ import annotations
 
 import logging
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -26,6 +27,7 @@ from launch.provider import Node, Provider
 from launch.rundir import RunDir
 from launch.ssh import RemoteError, Ssh
 from trainer.config import ConfigError
+from trainer.job import PREEMPTED
 
 log = logging.getLogger("launch")
 
@@ -51,9 +53,12 @@ def run(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
     if cfg.cluster.setup:
         log.info("run: setting the nodes up: %s", cfg.cluster.setup)
         sync.setup(ssh, nodes, provider.workdir, cfg.cluster.setup)
+    results = shlex.quote(f"{provider.workdir}/{job_command.results_dir(run.id)}")
+    ssh.run(nodes[0], f"rm -f {results}/{PREEMPTED}")  # from a try before this one
+    (run.job / PREEMPTED).unlink(missing_ok=True)
     log.info("run: on node 0 (%s): %s", nodes[0].address, job.commands[0])
     try:
-        code = _start(ssh, nodes, job, run)
+        status = _start(ssh, nodes, run, job.commands)
     except BaseException:
         try:  # what there is, without hiding why the job stopped
             _bring_back(ssh, nodes[0], provider.workdir, run)
@@ -61,6 +66,7 @@ def run(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
             log.info("run: could not bring the results back: %s", e)
         raise
     _bring_back(ssh, nodes[0], provider.workdir, run)
+    code = job.exit_code(*status, preempted=(run.job / PREEMPTED).exists())
     log.info("run: the job exited with code %d", code)
     return code
 
@@ -73,10 +79,11 @@ def _bring_back(ssh: Ssh, node: Node, workdir: str, run: RunDir) -> None:
         log.info("run: the job wrote nothing to bring back")
 
 
-def _start(ssh: Ssh, nodes: list[Node], job: job_command.JobCommand, run: RunDir) -> int:
+def _start(ssh: Ssh, nodes: list[Node], run: RunDir, commands: dict[int, str]) -> tuple[int, str]:
+    """The first failed node's exit code (or 0), and node 0's last lines."""
     with ExitStack() as files:
         procs = {}
-        for i, command in sorted(job.commands.items()):
+        for i, command in sorted(commands.items()):
             out = (subprocess.PIPE if i == 0
                    else files.enter_context(open(run.path / f"job-node-{i}.log", "wb")))
             procs[i] = ssh.popen(nodes[i], command, tty=True, stdin=subprocess.DEVNULL,
@@ -88,8 +95,7 @@ def _start(ssh: Ssh, nodes: list[Node], job: job_command.JobCommand, run: RunDir
             for proc in procs.values():
                 proc.terminate()
             raise
-    first_failure = next((c for c in codes if c != 0), 0)
-    return job.exit_code(first_failure, tail)
+    return next((c for c in codes if c != 0), 0), tail
 
 
 def _stream(stdout, log_file) -> str:

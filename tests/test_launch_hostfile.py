@@ -76,4 +76,17 @@ def test_the_trainers_exit_code_comes_through_horovodrun(tmp_path):
     assert proc.returncode == 1
     assert job.exit_code(proc.returncode, proc.stdout + proc.stderr) == 75
     assert job.exit_code(0, "") == 0
-    assert job_command.build("torchrun", NODES, "/w", "R", []).exit_code(75, "Exit code: 1") == 75
+
+
+def test_a_preemption_under_torchrun_is_told_by_rank_0s_note(tmp_path):
+    # torchrun exits 1 when a worker exits 75; rank 0's preempted.json (brought back by
+    # `run`) is what says the job was preempted rather than failed.
+    (tmp_path / "w.py").write_text("import sys; sys.exit(75)")
+    proc = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "1",
+                           "w.py"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env=local_environment())
+    job = job_command.build("torchrun", NODES, "/w", "R", [])
+    assert proc.returncode == 1
+    assert job.exit_code(proc.returncode, proc.stdout + proc.stderr, preempted=True) == 75
+    assert job.exit_code(proc.returncode, proc.stdout + proc.stderr) == 1
+    assert job.exit_code(0, "", preempted=True) == 0  # a finished job's stale note

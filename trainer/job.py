@@ -45,6 +45,7 @@ EXIT_FAILED = 1  # a bug or an unexpected error: see the traceback
 EXIT_CONFIG = 2  # bad input; nothing was started
 EXIT_PEER_LOST = 69  # a collective failed because a rank died or hung (EX_UNAVAILABLE)
 EXIT_PREEMPTED = 75  # a spot notice (or SIGTERM) stopped the run after a checkpoint
+PREEMPTED = "preempted.json"  # rank 0's note in the run dir of why it exited 75
 
 
 
@@ -62,7 +63,7 @@ def run(cfg: DictConfig) -> int:
     except Preempted as e:
         log.warning("%s; exit %d: run again with resume=auto to continue", e, EXIT_PREEMPTED)
         if engine.rank == 0:  # for launchers that do not pass exit codes on (torchrun)
-            write_atomic(_run_dir() / "preempted.json", json.dumps(
+            write_atomic(_run_dir() / PREEMPTED, json.dumps(
                 {"reason": e.reason, "step": e.step, "checkpoint": e.checkpoint}).encode())
         code = EXIT_PREEMPTED
     except Exception as e:

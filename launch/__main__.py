@@ -15,8 +15,10 @@
 Before `--`: overrides of conf/launch.yaml, e.g. nodes=8 cluster=local,
 cluster.instance_types=[g5.12xlarge,g6.12xlarge], cluster.zones=[us-east-1a],
 cluster.ssh_cidr=203.0.113.7/32, cluster.on_demand_fallback=true, job.launcher=torchrun.
-After it: the trainer's, as `python -m trainer` takes them. `run`, `status`, `down` and
-`cost` take the cluster and node count from the run's launch.yaml.
+After it: the trainer's, as `python -m trainer` takes them, checked before anything is
+created. `run`, `status`, `down` and `cost` take the cluster and node count from the
+run's launch.yaml (`cost` prices other nodes=, cluster.instance_types=, zones= or
+region= when given).
 
 `launch` takes everything down at the end, on an error and on Ctrl-C; `up` does on an
 error or Ctrl-C before it is done. Exit codes: 0 done; 1 failed (no capacity, an AWS or
@@ -46,6 +48,7 @@ from launch.up import up
 from trainer.config import ConfigError
 
 COMMANDS = ("up", "run", "status", "down", "cost", "launch")
+PRICED_ANEW = ("nodes", "cluster.instance_types", "cluster.zones", "cluster.region")
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 log = logging.getLogger("launch")
@@ -98,7 +101,9 @@ def _command(args: argparse.Namespace, trainer_args: list[str]) -> int:
     cfg.job.args = [*cfg.job.args, *trainer_args]
     command, run = args.command, _run_dir(args.command, cfg, args.all_mine)
     if run.config.exists():
-        cfg = config.with_saved_cluster(cfg, run.config)
+        # `cost nodes=8 cluster.instance_types=[...]` prices another cluster than the run's.
+        keep = [k for k in PRICED_ANEW if any(o.startswith(f"{k}=") for o in args.overrides)]
+        cfg = config.with_saved_cluster(cfg, run.config, keep if command == "cost" else [])
     config.validate(cfg)
     provider = provider_for(cfg, run)
     if args.dry_run:
@@ -130,6 +135,9 @@ def _command(args: argparse.Namespace, trainer_args: list[str]) -> int:
             return supervise(cfg, run, provider)
         finally:
             if run.config.exists():  # up got past its checks: something may exist
+                # A second Ctrl-C (or kill) must not stop the teardown halfway.
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                    signal.signal(sig, signal.SIG_IGN)
                 down(run, provider)
                 log.info("\n".join(after_run(run)))
     return 0

@@ -16,16 +16,12 @@ import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hydra import compose as hydra_compose
-from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
-from hydra.errors import HydraException
 from omegaconf import II, MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
-from trainer.config import ConfigError, one_of
+from trainer import config as trainer_config
+from trainer.config import ConfigError, compose_checked, one_of
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 CLUSTERS = ("aws_spot", "local")
 LAUNCHERS = ("horovodrun", "mpirun", "torchrun")
 
@@ -111,21 +107,21 @@ def register() -> None:
 def compose(overrides: list[str]) -> DictConfig:
     """conf/launch.yaml with Hydra overrides; a bad override is a ConfigError."""
     register()
-    try:
-        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-            return hydra_compose("launch", overrides=list(overrides))
-    except (HydraException, OmegaConfBaseException) as e:
-        cause = f": {e.__cause__}" if e.__cause__ else ""
-        raise ConfigError(f"{e}{cause}\nSee conf/launch.yaml and conf/cluster/, or the plan "
-                          "of a command line with `python -m launch up --dry-run`.") from e
+    return compose_checked("launch", overrides,
+                           "See conf/launch.yaml and conf/cluster/, or the plan of a command "
+                           "line with `python -m launch up --dry-run`.")
 
 
-def with_saved_cluster(cfg: DictConfig, saved: Path) -> DictConfig:
+def with_saved_cluster(cfg: DictConfig, saved: Path, keep: list[str]) -> DictConfig:
     """``cfg`` with the cluster and node count a run was brought up with: a run's
-    nodes, region and tags do not change after `up`, whatever later commands say."""
+    nodes, region and tags do not change after `up`, whatever later commands say; but
+    the keys in ``keep`` (dotted) stay as ``cfg`` has them."""
     old = OmegaConf.load(saved)
+    kept = {key: OmegaConf.select(cfg, key) for key in keep}
     cfg.cluster = OmegaConf.merge(OmegaConf.structured(_SCHEMAS[old.cluster.name]), old.cluster)
     cfg.nodes = old.nodes
+    for key, value in kept.items():
+        OmegaConf.update(cfg, key, value, merge=False)
     return cfg
 
 
@@ -150,6 +146,7 @@ def validate(cfg: DictConfig) -> None:
          f"cluster.min_nodes={c.min_nodes}: must be from 1 to nodes={cfg.nodes}")
     need(c.max_restarts >= 0, f"cluster.max_restarts={c.max_restarts}: must be 0 or more")
     need(c.ssh_timeout_s > 0, f"cluster.ssh_timeout_s={c.ssh_timeout_s}: must be positive")
+    problems += _trainer_problems(list(cfg.job.args))
     if c.name == "aws_spot":
         problems += _aws_problems(c)
     elif c.name == "local":
@@ -158,6 +155,19 @@ def validate(cfg: DictConfig) -> None:
     if problems:
         raise ConfigError("bad launch configuration:\n  - " + "\n  - ".join(problems)
                           + "\nNothing was created. See conf/launch.yaml and conf/cluster/.")
+
+
+def _trainer_problems(args: list[str]) -> list[str]:
+    """The trainer's arguments, checked here as each rank would check them: a typo stops
+    the launch before any node is paid for."""
+    if any(a.startswith("hydra.run.dir=") for a in args):
+        return ["hydra.run.dir: the launcher sets it (runs/<run id> in node 0's workdir, "
+                "brought back into the run dir's job/); leave it out"]
+    try:
+        trainer_config.validate(trainer_config.compose(args))
+    except ConfigError as e:
+        return [f"trainer arguments {' '.join(args)}: {e}".replace("\n", "\n    ")]
+    return []
 
 
 def _aws_problems(c: DictConfig) -> list[str]:
@@ -193,9 +203,15 @@ def ssh_cidr_problem(cidr: str) -> str | None:
         net = ipaddress.ip_network(cidr, strict=False)
     except ValueError:
         return f"cluster.ssh_cidr={cidr}: not an address range; expected e.g. 203.0.113.7/32"
+    if net.version != 4:
+        return (f"cluster.ssh_cidr={cidr}: the security group takes an IPv4 range, e.g. "
+                "203.0.113.7/32")
     if net.prefixlen == 0:
         return (f"cluster.ssh_cidr={cidr}: would open SSH to the whole internet; give your "
                 "own address, e.g. 203.0.113.7/32")
+    if net.prefixlen < 8:
+        return (f"cluster.ssh_cidr={cidr}: would open SSH to a {net.num_addresses:,}-address "
+                "part of the internet; give your own address, e.g. 203.0.113.7/32")
     return None
 
 

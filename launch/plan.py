@@ -18,7 +18,8 @@ def plan(command: str, cfg: DictConfig, run: RunDir, provider: Provider) -> list
         lines.append(f"up        then ssh-keyscan into {run.known_hosts}, and writes {run.hosts} "
                      "(ADDRESS slots=G) and hosts.mpich (ADDRESS:G)")
     if command in ("run", "launch"):
-        # Placeholder nodes: the real addresses and slots are known only after `up`.
+        # Placeholder nodes: the real addresses and slots (G, the GPUs of the type EC2
+        # gives) are known only after `up`; the command is shown for one slot each.
         nodes = [Node(f"node-{i}", f"NODE{i}", f"NODE{i}", 1, "", "", "")
                  for i in range(cfg.nodes)]
         job = job_command.build(cfg.job.launcher, nodes, provider.workdir, run.id,
@@ -27,6 +28,8 @@ def plan(command: str, cfg: DictConfig, run: RunDir, provider: Provider) -> list
                   "on every node; hostfiles, key and known_hosts to node 0",
                   "run       setup on every node: " + (cfg.cluster.setup or "(none)")]
         lines += [f"run       on node {i}: {cmd}" for i, cmd in job.commands.items()]
+        lines.append("run       (shown with 1 slot per node; `up` writes each node's GPUs "
+                     "into hosts, and -np is their sum)")
         lines.append(f"run       bring back {job_command.results_dir(run.id)} (logs, "
                      f"metrics, TensorBoard, summary, final checkpoint) to {run.job}")
     if command in ("down", "launch"):

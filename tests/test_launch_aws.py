@@ -147,6 +147,9 @@ def test_up_status_cost_down(cli, tmp_path):
 
     cost = cli("cost")
     assert "g5.12xlarge" in cost.stdout and f"cost: run {run.id}: 2 nodes" in cost.stdout
+    other = cli("cost", "nodes=4", "cluster.instance_types=[g4dn.xlarge]")  # another cluster
+    assert "cost: 4 nodes" in other.stdout and "g4dn.xlarge" in other.stdout
+    assert "g5.12xlarge" not in other.stdout and f"cost: run {run.id}: 2 nodes" in other.stdout
 
     down = cli("down")
     assert f"deleted fleet {fleet['FleetId']}" in down.stdout
@@ -166,7 +169,8 @@ def test_cost_of_a_run(cli, tmp_path):
     cli("down")
     run.job.mkdir()
     (run.job / "summary.json").write_text(json.dumps(
-        {"train_seconds": 1800.0, "epochs": 3.0, "world_size": 2}))
+        {"train_seconds": 1800.0, "epochs": 3.0, "steps": 300, "steps_this_run": 300,
+         "world_size": 2}))
     nodes, destroyed = state(run.path)["nodes"], state(run.path)["destroyed_at"]
     price = nodes[0]["price"]  # moto's spot price, the same everywhere
     assert price > 0 and all(n["price"] == price for n in nodes)
@@ -175,8 +179,9 @@ def test_cost_of_a_run(cli, tmp_path):
 
     out = cli("cost").stdout
     assert f"2 nodes, {node_hours:.4f} node-hours, ${node_hours * price:.3g}" in out
-    assert f"training: 1800.0 s, 3.000 epochs on 2 workers: ${training:.3g}, " \
-           f"${training / 3:.3g}/epoch" in out
+    assert f"training: 1800.0 s for 3.000 epochs on 2 workers: ${training:.3g}, " \
+           f"${training / 3:.3g}/epoch; the whole run (start-up, restarts, idle): " \
+           f"${node_hours * price / 3:.3g}/epoch over 3.000 epochs" in out
 
 
 def test_launch_takes_everything_down_after_an_error(cli, tmp_path):

@@ -38,6 +38,14 @@ def problems(*overrides: str) -> str:
     (["cluster=local", "cluster.subnet=10.0.0.0/28"], "cluster.subnet=10.0.0.0/28: must be an "
                                                       "IPv4 network of /24 or larger"),
     (["cluster=local", "cluster.slots=0"], "cluster.slots=0: must be 1 or more"),
+    (["cluster.ssh_cidr='2001:db8::/32'"], "cluster.ssh_cidr=2001:db8::/32: the security group "
+                                           "takes an IPv4 range"),
+    (["cluster.ssh_cidr=0.0.0.0/1"], "cluster.ssh_cidr=0.0.0.0/1: would open SSH to a"),
+    # The trainer's arguments, checked before any node is paid for:
+    (["job.args=['model=nosuch']"], "trainer arguments model=nosuch: In 'config': Could not "
+                                  "find 'model/nosuch'"),
+    (["job.args=['train.batch_size=0']"], "train.batch_size=0: must be positive"),
+    (["job.args=['hydra.run.dir=out']"], "hydra.run.dir: the launcher sets it"),
 ])
 def test_bad_input_is_named_with_what_is_valid(overrides, message):
     text = problems(*overrides)
@@ -66,3 +74,12 @@ def test_min_nodes_follows_nodes_and_the_defaults_are_valid():
         assert cfg.cluster.min_nodes == 8 and cfg.cluster.max_restarts == 0
     cfg = config.compose(["cluster.ssh_user=ec2-user"])
     assert cfg.cluster.workdir == "/home/ec2-user/spotring"
+
+
+def test_down_all_mine_takes_only_the_local_clusters_own_links():
+    from launch.local import netns
+
+    names = netns.Names("20261122-114501-3f2a")
+    ours = [names.bridge, names.veth(0), names.peer(12)]
+    others = ["sprite0", "spr123456", "spring-br0", names.bridge + "x"]
+    assert [n for n in ours + others if netns.ANY_RUNS_LINK.fullmatch(n)] == ours

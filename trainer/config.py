@@ -17,7 +17,9 @@ from typing import Any
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
 from omegaconf import MISSING, DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -208,9 +210,21 @@ def compose(overrides: list[str]) -> DictConfig:
     (tests, the launcher). Overrides of Hydra itself (hydra.*) are left out, and
     ${hydra:...} values stay unresolved: there is no run directory."""
     register()
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        return hydra_compose("config", overrides=[o for o in overrides
-                                                  if not o.lstrip("+~").startswith("hydra")])
+    return compose_checked("config", [o for o in overrides
+                                      if not o.lstrip("+~").startswith("hydra")],
+                           "See the groups under conf/ or print the composed config with "
+                           "`python -m trainer --cfg job`.")
+
+
+def compose_checked(name: str, overrides: list[str], hint: str) -> DictConfig:
+    """conf/``name``.yaml with ``overrides``; a bad override is a ConfigError ending in
+    ``hint``."""
+    try:
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            return hydra_compose(name, overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        cause = f": {e.__cause__}" if e.__cause__ else ""
+        raise ConfigError(f"{e}{cause}\n{hint}") from e
 
 
 # -------------------------------------------------------------------------- validation

@@ -13,12 +13,15 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import os
+import re
 import signal
 import subprocess
 import time
 
 NS_PREFIX = "spotring-"
 LINK_PREFIX = "spr"
+# Any run's links (down --all-mine): the prefix alone would also match others' names.
+ANY_RUNS_LINK = re.compile(rf"{LINK_PREFIX}[0-9a-f]{{6}}(b|[hn][0-9]+)")
 
 
 class Names:
@@ -90,9 +93,12 @@ def namespaces(prefix: str) -> list[str]:
                   if line.startswith(prefix))
 
 
-def links(prefix: str) -> list[str]:
+def links(prefix: str | re.Pattern) -> list[str]:
+    """This machine's links whose names start with ``prefix`` or match it whole."""
     names = (line.split(":")[1].strip().split("@")[0] for line in ip("-o", "link").splitlines())
-    return sorted(n for n in names if n.startswith(prefix))
+    if isinstance(prefix, str):
+        return sorted(n for n in names if n.startswith(prefix))
+    return sorted(n for n in names if prefix.fullmatch(n))
 
 
 def delete_namespace(ns: str) -> list[int]:

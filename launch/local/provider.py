@@ -105,7 +105,7 @@ class LocalCluster(Provider):
 
     def destroy(self, all_mine: bool = False) -> list[str]:
         ns_prefix = netns.NS_PREFIX if all_mine else self.names.ns_prefix
-        link_prefix = netns.LINK_PREFIX if all_mine else self.names.link_prefix
+        link_prefix = netns.ANY_RUNS_LINK if all_mine else self.names.link_prefix
         done = [self._remove(ns) for ns in netns.namespaces(ns_prefix)]
         # Removing a namespace takes its end of the veth pair along, and usually ours.
         for link in netns.links(link_prefix):

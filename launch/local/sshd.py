@@ -20,6 +20,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from launch.ssh import new_key
+
 SSHD = Path("/usr/sbin/sshd")
 
 CONFIG = """\
@@ -45,8 +47,7 @@ def prepare(node_dir: Path, address: str, hostname: str, public_key: str) -> Non
     """The node's sshd config, host key, authorized key and /etc/hosts."""
     (node_dir / "ssh").mkdir(parents=True, mode=0o700)
     (node_dir / "work").mkdir()
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", hostname,
-                    "-f", str(node_dir / "host_key")], check=True, capture_output=True)
+    new_key(node_dir / "host_key", hostname)
     (node_dir / "authorized_keys").write_text(public_key + "\n")
     (node_dir / "authorized_keys").chmod(0o600)
     (node_dir / "hosts").write_text(f"127.0.0.1 localhost\n{address} {hostname}\n")

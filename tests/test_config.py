@@ -53,7 +53,7 @@ def test_unknown_names_inside_a_group_are_caught_with_a_suggestion():
 @pytest.mark.parametrize("override", [
     "train.batch_size=0", "train.epochs=-1", "train.accumulation=0", "optim.lr=0.0",
     "optim.reference_batch=0", "train.max_steps=0", "engine.timeout_s=0.0",
-    "checkpoint.keep=0", "dataset=synthetic dataset.train_size=0",
+    "train.eval_samples=0", "checkpoint.keep=0", "dataset=synthetic dataset.train_size=0",
 ])
 def test_non_positive_sizes_are_refused(override):
     text = problems(*override.split())

@@ -95,15 +95,16 @@ def test_augmentation_is_world_size_invariant_and_really_augments():
     assert any(not torch.equal(a[1], b[1]) for a, b in zip(one, plain, strict=True))
 
 
-def test_evaluation_counts_every_test_sample_once():
+@pytest.mark.parametrize("samples, counted", [(None, 103), (40, 40), (500, 103)])
+def test_evaluation_counts_every_test_sample_once(samples, counted):
     data = tiny_dataset()
     for world_size in (1, 2, 3, 4):
         labels = []
         for r in range(world_size):
             batches = Batches(data, global_batch=12, rank=r, world_size=world_size,
                               accumulation=1, seed=0, augment=False, device=torch.device("cpu"))
-            labels += [y for _, y in batches.test(batch_size=10)]
-        assert sorted(torch.cat(labels).tolist()) == list(range(103))
+            labels += [y for _, y in batches.test(batch_size=10, samples=samples)]
+        assert sorted(torch.cat(labels).tolist()) == list(range(counted))
 
 
 def test_normalisation_uses_the_dataset_statistics():

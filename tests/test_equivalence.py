@@ -17,7 +17,7 @@ from tests.conftest import assert_close
 
 # Real MNIST, 25 steps of global batch 64, SGD + Nesterov momentum.
 STEPS = ["train.max_steps=25", "train.threads=1", "optim=sgd", "train.seed=3",
-         "train.dtype=float64"]
+         "train.dtype=float64", "train.eval_samples=1000"]
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,8 @@ from trainer.models import build_model
 # after every step, so that one run answers for step 1 and step 20. In float64, so
 # that rounding cannot flip a max-pool near-tie (see test_equivalence.py).
 STEPS = ["train.max_steps=20", "train.threads=1", "train.batch_size=32", "train.seed=11",
-         "checkpoint.every_steps=1", "checkpoint.keep=20", "train.dtype=float64"]
+         "checkpoint.every_steps=1", "checkpoint.keep=20", "train.dtype=float64",
+         "train.eval_samples=1000"]
 
 
 @pytest.fixture(scope="module")

@@ -141,6 +141,8 @@ class TrainConfig:
     label_smoothing: float = 0.0
     eval_batch_size: int = 1000
     eval_every_steps: int = 0  # 0: evaluate at each epoch end (and at the end of the run)
+    # Evaluate on the first N test samples only (quick runs, tests); default: all of them.
+    eval_samples: int | None = None
     device: str = "auto"  # auto | cpu | cuda
     # float64 makes float rounding too small to flip a ReLU or max-pool decision, so
     # runs that must match (N workers vs 1, engine vs engine) match to 1e-10.
@@ -297,6 +299,8 @@ def validate(cfg: DictConfig) -> None:
         positive["train.max_steps"] = cfg.train.max_steps
     if cfg.train.threads is not None:
         positive["train.threads"] = cfg.train.threads
+    if cfg.train.eval_samples is not None:
+        positive["train.eval_samples"] = cfg.train.eval_samples
     if cfg.dataset.name == "synthetic":
         positive |= {
             "dataset.num_classes": cfg.dataset.num_classes,

@@ -114,9 +114,12 @@ class Batches:
             offset += self.global_batch
             yield Batch(epoch, offset, micro)
 
-    def test(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's contiguous shard of the test set, in batches."""
-        mine = torch.arange(len(self.dataset.test)).tensor_split(self.world_size)[self.rank]
+    def test(self, batch_size: int, samples: int | None = None
+             ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's contiguous shard of the test set (of its first ``samples``), in
+        batches."""
+        n = min(samples or len(self.dataset.test), len(self.dataset.test))
+        mine = torch.arange(n).tensor_split(self.world_size)[self.rank]
         for index in mine.split(batch_size):
             x, y = self._to_device(self.dataset.test, index)
             yield self._normalise(x), y

@@ -24,6 +24,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,9 @@ EXIT_CONFIG = 2  # bad input; nothing was started
 EXIT_PEER_LOST = 69  # a collective failed because a rank died or hung (EX_UNAVAILABLE)
 EXIT_PREEMPTED = 75  # a spot notice (or SIGTERM) stopped the run after a checkpoint
 PREEMPTED = "preempted.json"  # rank 0's note in the run dir of why it exited 75
-
+# torchrun and horovodrun stop every rank as soon as one exits: on bad input each rank
+# waits this long after its message, so that every rank (rank 0 first) gets to say it.
+BAD_INPUT_GRACE_S = 3.0
 
 
 def run(cfg: DictConfig) -> int:
@@ -141,6 +144,8 @@ def _report_bad_input(error: ConfigError, launch: runtime.Launch) -> None:
         print(f"spotring: {where}error: {error}", file=sys.stderr)
     else:  # the same config fails the same way on every rank: one full copy is enough
         print(f"spotring: {where}stopped: bad configuration (rank 0 says which)", file=sys.stderr)
+    if launch.world_size > 1:
+        time.sleep(BAD_INPUT_GRACE_S)
 
 
 def _is_collective_failure(error: BaseException) -> bool:

@@ -233,11 +233,13 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Loss and accuracy on the whole test set, each sample counted once across ranks."""
+        """Loss and accuracy on the test set (its first train.eval_samples), each sample
+        counted once across ranks."""
         self.stopwatch.pause()
         self.raw_model.eval()
         sums = torch.zeros(3, device=self.engine.device, dtype=torch.float64)
-        for x, y in self.batches.test(self.cfg.train.eval_batch_size):
+        for x, y in self.batches.test(self.cfg.train.eval_batch_size,
+                                      self.cfg.train.eval_samples):
             logits = self.raw_model(x)
             sums += torch.stack([F.cross_entropy(logits, y, reduction="sum"),
                                  (logits.argmax(1) == y).sum(),

@@ -15,10 +15,12 @@ Transports, each started by its launcher (benchmarks/allreduce_ranks.py does the
     horovod-gloo  Horovod over Gloo (horovodrun --gloo): engine=horovod's default
     horovod-mpi   Horovod over MPI (mpirun, HOROVOD_CPU_OPERATIONS=MPI)
     nccl          torch.distributed NCCL, where there are GPUs
+    trainer-mpi   not a transport: engine=ddp engine.backend=mpi's own gradient path (its
+                  comm hook's average over mpi4py), to be compared with the transports
 
 Every size of every transport is measured --repeats times, transports interleaved;
 the median time counts. Each row also says how it compares with the best transport at
-that size (busbw / best busbw).
+that size (busbw / best busbw; the trainer's path is compared, never the best).
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ TRANSPORTS = {  # name: (launcher, what allreduce_ranks runs, environment)
     "horovod-gloo": ("horovodrun", "horovod", {"HOROVOD_CPU_OPERATIONS": "GLOO"}),
     "horovod-mpi": ("mpirun", "horovod", {"HOROVOD_CPU_OPERATIONS": "MPI"}),
     "nccl": ("torchrun", "nccl", {}),
+    "trainer-mpi": ("mpirun", "trainer-mpi", {}),
 }
+TRAINER_PATHS = {"trainer-mpi"}  # measured like the transports, but not one of them
 # The transport each training engine's gradients travel by.
-ENGINE_TRANSPORT = {"ddp": "gloo", "ddp-mpi": "mpi", "plain": "gloo",
+ENGINE_TRANSPORT = {"ddp": "gloo", "ddp-mpi": "trainer-mpi", "plain": "gloo",
                     "horovod-gloo": "horovod-gloo", "horovod-mpi": "horovod-mpi"}
 KIB = 1024
 
@@ -92,9 +96,10 @@ def measure(transports: list[str], ranks: int, message_sizes: list[int], budget:
             for t, by_size in seconds.items()}
     for n in {r["bytes"] for rs in rows.values() for r in rs}:
         at_n = [r for rs in rows.values() for r in rs if r["bytes"] == n]
-        best = max(r["busbw_gbps"] for r in at_n)
+        best = max((r["busbw_gbps"] for t, rs in rows.items() if t not in TRAINER_PATHS
+                    for r in rs if r["bytes"] == n), default=None)
         for r in at_n:
-            r["of_best"] = r["busbw_gbps"] / best
+            r["of_best"] = r["busbw_gbps"] / best if best else None
     return {"ranks": ranks, "budget_seconds": budget, "repeats": repeats,
             "commands": commands, "transports": rows}
 

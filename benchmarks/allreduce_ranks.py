@@ -5,6 +5,7 @@ Started by benchmarks/allreduce.py, one launcher per transport:
     torchrun --standalone --nproc-per-node 2 -m benchmarks.allreduce_ranks gloo
     torchrun --standalone --nproc-per-node 2 -m benchmarks.allreduce_ranks nccl   (GPUs)
     mpirun -np 2 python -m benchmarks.allreduce_ranks mpi                          (mpi4py)
+    mpirun -np 2 python -m benchmarks.allreduce_ranks trainer-mpi    (the trainer's MPI hook)
     horovodrun --gloo -np 2 -H localhost:2 python -m benchmarks.allreduce_ranks horovod
     HOROVOD_CPU_OPERATIONS=MPI mpirun -np 2 python -m benchmarks.allreduce_ranks horovod
 
@@ -88,6 +89,20 @@ class MPI:
         pass
 
 
+class TrainerMPI(MPI):
+    """engine=ddp engine.backend=mpi's own path, as its comm hook runs it on a gradient
+    bucket: a torch tensor averaged by trainer.engines.ddp.mpi_average (a non-blocking
+    MPI allreduce polled against the timeout, then the division)."""
+
+    def buffer(self, numel: int) -> torch.Tensor:
+        return torch.zeros(numel, dtype=torch.float32)
+
+    def allreduce(self, buf: torch.Tensor) -> None:
+        from trainer.engines.ddp import mpi_average
+
+        mpi_average(self.comm, buf, timeout_s=300.0)
+
+
 class Horovod:
     """Horovod's allreduce on CPU tensors, over Gloo or MPI (HOROVOD_CPU_OPERATIONS),
     through its background thread, negotiation and fusion buffer as in training."""
@@ -119,6 +134,7 @@ TRANSPORTS = {
     "gloo": lambda: TorchDistributed("gloo"),
     "nccl": lambda: TorchDistributed("nccl"),
     "mpi": MPI,
+    "trainer-mpi": TrainerMPI,
     "horovod": Horovod,
 }
 

@@ -57,7 +57,8 @@ def targets(results: dict) -> dict:
             "met": best["efficiency"] >= by_engine["plain"]["efficiency"]}
     size = results["mnist_engines"]["gradient_bytes"]
     at_size = {t: next(r for r in rows if r["bytes"] == size)
-               for t, rows in results["allreduce"]["transports"].items()}
+               for t, rows in results["allreduce"]["transports"].items()
+               if t not in allreduce.TRAINER_PATHS}
     best_transport = max(at_size, key=lambda t: at_size[t]["busbw_gbps"])
     paths = [r for r in trainer if r["of_best"] is not None]
     out["allreduce_path"] = {

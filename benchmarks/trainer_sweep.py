@@ -16,13 +16,13 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from trainer import config, job
+from trainer import config, exits, job
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def _one_point(cfg: DictConfig) -> None:
     code = job.run(cfg)
-    if code != job.EXIT_OK:
+    if code != exits.EXIT_OK:
         raise RuntimeError(f"the trainer exited with code {code}; see the log above")
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from launch.commands import LAUNCHER_ENV
 from launch.provider import Node
-from trainer.job import EXIT_PREEMPTED
+from trainer.exits import EXIT_PREEMPTED
 
 ENGINES = {"horovodrun": "horovod", "mpirun": "horovod", "torchrun": "ddp"}
 TORCHRUN_PORT = 29400

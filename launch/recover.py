@@ -32,7 +32,7 @@ from launch.rundir import RunDir
 from launch.ssh import RemoteError
 from launch.up import admit
 from trainer import config as trainer_config
-from trainer.job import EXIT_PEER_LOST, EXIT_PREEMPTED
+from trainer.exits import EXIT_PEER_LOST, EXIT_PREEMPTED
 
 log = logging.getLogger("launch")
 

@@ -27,7 +27,7 @@ from launch.provider import Node, Provider
 from launch.rundir import RunDir
 from launch.ssh import RemoteError, Ssh
 from trainer.config import ConfigError
-from trainer.job import PREEMPTED
+from trainer.exits import PREEMPTED
 
 log = logging.getLogger("launch")
 

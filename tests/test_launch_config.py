@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from launch import config
+from tests.conftest import REPO
 from trainer.config import ConfigError
 
 
@@ -83,3 +87,12 @@ def test_down_all_mine_takes_only_the_local_clusters_own_links():
     ours = [names.bridge, names.veth(0), names.peer(12)]
     others = ["sprite0", "spr123456", "spring-br0", names.bridge + "x"]
     assert [n for n in ours + others if netns.ANY_RUNS_LINK.fullmatch(n)] == ours
+
+
+def test_the_launcher_starts_without_importing_torch():
+    # torch takes seconds to import; `python -m launch status` should not wait for it.
+    code = ("import sys, launch.__main__, launch.aws.provider, launch.local.provider; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'horovod')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "[]"

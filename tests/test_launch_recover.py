@@ -16,7 +16,7 @@ from launch.provider import NoCapacity, Node, Provider
 from launch.recover import _replace, _restart_args, keep_global_batch, supervise
 from launch.rundir import RunDir
 from launch.ssh import RemoteError
-from trainer.job import EXIT_PEER_LOST, EXIT_PREEMPTED
+from trainer.exits import EXIT_PEER_LOST, EXIT_PREEMPTED
 
 
 @pytest.mark.parametrize("before, workers, now, after", [

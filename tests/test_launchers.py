@@ -54,19 +54,12 @@ def test_horovodrun_with_a_hostfile(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["horovod", "ddp"])
-def test_mpirun(tmp_path, engine):
+@pytest.mark.parametrize("engine, backend", [("horovod", "mpi"), ("ddp", "gloo")])
+def test_mpirun(tmp_path, engine, backend):
     run = launch([str(BIN / "mpirun"), "-np", "2", "--oversubscribe",
-                  *trainer(tmp_path, f"engine={engine}")], tmp_path)
+                  *trainer(tmp_path, f"engine={engine}", f"engine.backend={backend}")], tmp_path)
     check_summary(run, engine)
-
-
-@pytest.mark.slow
-def test_horovod_allreduce_over_mpi(tmp_path):
-    run = launch([str(BIN / "mpirun"), "-np", "2", "--oversubscribe",
-                  *trainer(tmp_path, "engine=horovod", "engine.backend=mpi")], tmp_path)
-    check_summary(run, "horovod")
-    assert run.summary["backend"] == "mpi"
+    assert run.summary["backend"] == backend
 
 
 @pytest.mark.slow

@@ -7,14 +7,8 @@
     4. rank 0's checkpoint to every rank; train; evaluate
     5. rank 0: summary.json and the closing lines
 
-Exit codes (the launcher acts on them; the constants below):
-
-    0   done
-    1   failed (a traceback says why)
-    2   bad configuration or data; nothing was started
-    69  a rank died or stopped answering; the message names it where it can
-    75  preempted: a spot interruption notice or SIGTERM; a checkpoint was written,
-        run the same command again (resume=auto) to continue
+Exit codes: trainer/exits.py (0 done, 1 failed, 2 bad input, 69 a rank lost, 75
+preempted).
 """
 
 from __future__ import annotations
@@ -35,18 +29,13 @@ from omegaconf import DictConfig, OmegaConf
 from trainer import datasets, engines, runtime
 from trainer.checkpoint import Checkpoints, check_compatible, find_resume
 from trainer.config import ConfigError, global_batch, validate
+from trainer.exits import EXIT_CONFIG, EXIT_OK, EXIT_PEER_LOST, EXIT_PREEMPTED, PREEMPTED
 from trainer.loop import Trainer
 from trainer.preemption import Preempted
 from trainer.stores import write_atomic
 
 log = logging.getLogger("trainer")
 
-EXIT_OK = 0
-EXIT_FAILED = 1  # a bug or an unexpected error: see the traceback
-EXIT_CONFIG = 2  # bad input; nothing was started
-EXIT_PEER_LOST = 69  # a collective failed because a rank died or hung (EX_UNAVAILABLE)
-EXIT_PREEMPTED = 75  # a spot notice (or SIGTERM) stopped the run after a checkpoint
-PREEMPTED = "preempted.json"  # rank 0's note in the run dir of why it exited 75
 # torchrun and horovodrun stop every rank as soon as one exits: on bad input each rank
 # waits this long after its message, so that every rank (rank 0 first) gets to say it.
 BAD_INPUT_GRACE_S = 3.0

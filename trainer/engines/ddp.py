@@ -142,12 +142,17 @@ def _mpi_allreduce_sum(comm, tensor: torch.Tensor, timeout_s: float) -> torch.Te
     return tensor
 
 
+def mpi_average(comm, tensor: torch.Tensor, timeout_s: float) -> torch.Tensor:
+    """What engine.backend=mpi does to each gradient bucket: the average over the ranks,
+    in place (benchmarks/allreduce.py times it as the transport "trainer-mpi")."""
+    return _mpi_allreduce_sum(comm, tensor, timeout_s).div_(comm.Get_size())
+
+
 def _mpi_average_hook(state: tuple[Any, float], bucket):  # DDP checks no annotation here
     """A DDP communication hook: the average of a gradient bucket (dist.GradBucket), by
     MPI; returns a completed Future of the bucket's tensor."""
     comm, timeout_s = state
-    tensor = _mpi_allreduce_sum(comm, bucket.buffer(), timeout_s)
-    tensor.div_(comm.Get_size())
+    tensor = mpi_average(comm, bucket.buffer(), timeout_s)
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(tensor)
     return future

@@ -54,6 +54,21 @@ def run_trainer(run_dir: Path, *overrides: str, launcher: str = "single", nproc:
     return run
 
 
+# The parity runs of test_equivalence.py and test_horovod.py: real MNIST, 20 steps, SGD
+# with Nesterov momentum and weight decay, a checkpoint after every step (so that one run
+# answers for step 1 and step 20); in float64, so that rounding cannot flip a max-pool
+# near-tie (see test_equivalence.py). Add the batch size.
+PARITY = ["train.max_steps=20", "train.threads=1", "train.seed=11", "checkpoint.every_steps=1",
+          "checkpoint.keep=20", "train.dtype=float64", "train.eval_samples=1000"]
+
+
+@pytest.fixture(scope="session")
+def ddp_2x32(tmp_path_factory) -> Run:
+    """The reference parity run: 2 workers x batch 32, engine=ddp under torchrun."""
+    return run_trainer(tmp_path_factory.mktemp("ddp") / "run", *PARITY, "train.batch_size=32",
+                       "engine=ddp", launcher="torchrun", nproc=2)
+
+
 @pytest.fixture
 def train(tmp_path):
     """train(name, *overrides, launcher=..., nproc=...) -> Run in tmp_path/name."""

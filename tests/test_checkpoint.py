@@ -92,20 +92,24 @@ def test_a_checkpoint_of_another_model_is_refused_with_both_named(tmp_path):
 # ------------------------------------------------------------------ resume, end to end
 
 STEPS = ["dataset=synthetic", "dataset.shape=[1,28,28]", "dataset.train_size=2000",
-         "train.batch_size=32", "train.epochs=3", "train.seed=5"]
+         "train.batch_size=64", "train.epochs=3", "train.seed=5"]
 
 
 @pytest.mark.slow
 def test_resume_mid_epoch_ends_with_the_parameters_of_an_uninterrupted_run(train):
-    # 2000 samples / (2 x 32) = 31 steps per epoch: step 40 is in the middle of epoch 2.
-    whole = train("whole", *STEPS, "train.max_steps=70", launcher="torchrun", nproc=2)
-    first = train("parts", *STEPS, "train.max_steps=40", "checkpoint.every_steps=15",
-                  launcher="torchrun", nproc=2)
+    # 2000 samples / 64 = 31 steps per epoch: step 40 is in the middle of epoch 2. One
+    # worker here; resuming with several (and on another number of them) is in
+    # test_spot.py and test_horovod.py.
+    whole = train("whole", *STEPS, "train.max_steps=70")
+    first = train("parts", *STEPS, "train.max_steps=40", "checkpoint.every_steps=15")
     assert [p.name for p in first.checkpoints()] == [
         "ckpt-000000030.pt", "ckpt-000000031.pt", "ckpt-000000040.pt"]  # every 15, epoch, end
-    second = train("parts", *STEPS, "train.max_steps=70", launcher="torchrun", nproc=2)
+    second = train("parts", *STEPS, "train.max_steps=70")
     assert "resumed at step 40 (epoch 2, sample 576 of its order)" in second.output
     assert second.summary["steps"] == 70 and second.summary["steps_this_run"] == 30
     assert second.summary["resumed_from"].endswith("ckpt-000000040.pt")
     assert_close(second.params(), whole.params(), rtol=0)  # bit for bit
     assert second.summary["test_loss"] == whole.summary["test_loss"]
+    # And a run resumed at its very end finishes at once.
+    again = train("parts", *STEPS, "train.max_steps=70")
+    assert again.summary["steps"] == 70 and again.summary["steps_this_run"] == 0

@@ -95,10 +95,10 @@ def measure(transports: list[str], ranks: int, message_sizes: list[int], budget:
                  **bandwidth(n, statistics.median(s), ranks)} for n, s in sorted(by_size.items())]
             for t, by_size in seconds.items()}
     for n in {r["bytes"] for rs in rows.values() for r in rs}:
-        at_n = [r for rs in rows.values() for r in rs if r["bytes"] == n]
-        best = max((r["busbw_gbps"] for t, rs in rows.items() if t not in TRAINER_PATHS
-                    for r in rs if r["bytes"] == n), default=None)
-        for r in at_n:
+        at_n = {t: r for t, rs in rows.items() for r in rs if r["bytes"] == n}
+        best = max((r["busbw_gbps"] for t, r in at_n.items() if t not in TRAINER_PATHS),
+                   default=None)
+        for r in at_n.values():
             r["of_best"] = r["busbw_gbps"] / best if best else None
     return {"ranks": ranks, "budget_seconds": budget, "repeats": repeats,
             "commands": commands, "transports": rows}

@@ -98,9 +98,10 @@ class TrainerMPI(MPI):
         return torch.zeros(numel, dtype=torch.float32)
 
     def allreduce(self, buf: torch.Tensor) -> None:
+        from trainer.config import EngineConfig
         from trainer.engines.ddp import mpi_average
 
-        mpi_average(self.comm, buf, timeout_s=300.0)
+        mpi_average(self.comm, buf, EngineConfig.timeout_s)  # the default engine.timeout_s
 
 
 class Horovod:

@@ -23,7 +23,7 @@ region= when given).
 `launch` takes everything down at the end, on an error and on Ctrl-C; `up` does on an
 error or Ctrl-C before it is done. Exit codes: 0 done; 1 failed (no capacity, an AWS or
 ssh error; nothing is left behind); 2 bad input (nothing was created); `run` and
-`launch` pass the trainer's on (69 a rank was lost, 75 preempted: trainer/job.py).
+`launch` pass the trainer's on (69 a rank was lost, 75 preempted: trainer/exits.py).
 """
 
 from __future__ import annotations
@@ -46,11 +46,10 @@ from launch.run import run as run_job
 from launch.rundir import RunDir
 from launch.up import up
 from trainer.config import ConfigError
+from trainer.exits import EXIT_CONFIG, EXIT_FAILED
 
 COMMANDS = ("up", "run", "status", "down", "cost", "launch")
 PRICED_ANEW = ("nodes", "cluster.instance_types", "cluster.zones", "cluster.region")
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
 log = logging.getLogger("launch")
 
 
@@ -74,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         return _command(args, trainer_args)
     except ConfigError as e:
         print(f"spotring launch: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_CONFIG
     except (NoCapacity, RuntimeError, TimeoutError, ClientError, BotoCoreError) as e:
         print(f"spotring launch: {args.command} failed: {e}", file=sys.stderr)
         return EXIT_FAILED

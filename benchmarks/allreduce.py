@@ -16,7 +16,7 @@ Transports, each started by its launcher (benchmarks/allreduce_ranks.py does the
     horovod-mpi   Horovod over MPI (mpirun, HOROVOD_CPU_OPERATIONS=MPI)
     nccl          torch.distributed NCCL, where there are GPUs
     trainer-mpi   not a transport: engine=ddp engine.backend=mpi's own gradient path (its
-                  comm hook's average over mpi4py), to be compared with the transports
+                  comm hook's watched sum over mpi4py), to be compared with the transports
 
 Every size of every transport is measured --repeats times, transports interleaved;
 the median time counts. Each row also says how it compares with the best transport at

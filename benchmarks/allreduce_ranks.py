@@ -91,17 +91,22 @@ class MPI:
 
 class TrainerMPI(MPI):
     """engine=ddp engine.backend=mpi's own path, as its comm hook runs it on a gradient
-    bucket: a torch tensor averaged by trainer.engines.ddp.mpi_average (a non-blocking
-    MPI allreduce polled against the timeout, then the division)."""
+    bucket: a torch tensor summed by trainer.engines.mpi.MPISums (a blocking MPI
+    allreduce under the watchdog; the loss was divided by the world size instead)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from trainer.config import EngineConfig
+        from trainer.engines.mpi import MPISums
+        from trainer.exits import exit_peer_lost
+
+        self.sums = MPISums(self.comm, EngineConfig.timeout_s, exit_peer_lost)  # the default
 
     def buffer(self, numel: int) -> torch.Tensor:
         return torch.zeros(numel, dtype=torch.float32)
 
     def allreduce(self, buf: torch.Tensor) -> None:
-        from trainer.config import EngineConfig
-        from trainer.engines.ddp import mpi_average
-
-        mpi_average(self.comm, buf, EngineConfig.timeout_s)  # the default engine.timeout_s
+        self.sums.sum_(buf)
 
 
 class Horovod:

@@ -1,6 +1,9 @@
-"""Launch-environment detection: each launcher's variables, and none."""
+"""Launch-environment detection: each launcher's variables, and none; the allocator setting."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 
@@ -31,3 +34,40 @@ CASES = {
 def test_detects_the_launcher_from_its_variables(name):
     env, expected = CASES[name]
     assert detect(env) == expected
+
+
+
+# Allocates a 20 MB "activation" and frees it; prints whether glibc served it from a
+# fresh mmap (given back to the kernel on free, faulted in again on every step), and
+# how many bytes of heap the free handed back to the kernel (mallinfo2, glibc >= 2.33).
+ONE_ACTIVATION = """
+import ctypes, sys, torch
+from trainer import runtime
+if sys.argv[1] == "keep":
+    assert runtime.keep_freed_memory()
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks",
+                "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Mallinfo2
+mapped_before = libc.mallinfo2().hblkhd
+activation = torch.ones(5_000_000)
+mmapped = libc.mallinfo2().hblkhd - mapped_before >= activation.nbytes
+heap = libc.mallinfo2().arena
+del activation
+print(mmapped, heap - libc.mallinfo2().arena)
+"""
+
+
+@pytest.mark.parametrize("mode", ["keep", "glibc default"])
+def test_freed_activations_stay_in_the_process(mode):
+    """With keep_freed_memory() (the trainer's setting), a 20 MB activation comes from the
+    heap and stays there when freed, ready for the next step. glibc's default serves it
+    from a fresh mmap, unmapped on free and zero-filled again next time (the control)."""
+    out = subprocess.run([sys.executable, "-c", ONE_ACTIVATION, mode.split()[0]],
+                         capture_output=True, text=True, check=True)
+    mmapped, returned = out.stdout.split()
+    if mode == "keep":
+        assert (mmapped, int(returned)) == ("False", 0)
+    else:
+        assert mmapped == "True"

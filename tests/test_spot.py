@@ -238,8 +238,8 @@ class OneRank:
 
     device = torch.device("cpu")
 
-    def all_reduce_sum(self, tensor, name):
-        return tensor
+    def start_sum(self, tensor, name):
+        return lambda: tensor
 
 
 def next_decision(watcher, timeout=10.0):

@@ -1,5 +1,6 @@
 """How a trainer process ends: its exit codes (the launcher acts on them) and the note
-rank 0 leaves when preempted. Free of torch, so that `python -m launch` starts fast.
+rank 0 leaves when preempted, and the way out when a rank is lost. Free of torch, so
+that `python -m launch` starts fast.
 
     0   done
     1   failed (a traceback says why)
@@ -9,9 +10,24 @@ rank 0 leaves when preempted. Free of torch, so that `python -m launch` starts f
         run the same command again (resume=auto) to continue
 """
 
+import logging
+import os
+import sys
+from typing import NoReturn
+
 EXIT_OK = 0
 EXIT_FAILED = 1  # a bug or an unexpected error: see the traceback
 EXIT_CONFIG = 2  # bad input; nothing was started
 EXIT_PEER_LOST = 69  # a collective failed because a rank died or hung (EX_UNAVAILABLE)
 EXIT_PREEMPTED = 75  # a spot notice (or SIGTERM) stopped the run after a checkpoint
 PREEMPTED = "preempted.json"  # rank 0's note in the run dir of why it exited 75
+
+
+def exit_peer_lost(message: str) -> NoReturn:
+    """Log why (which rank went missing) and leave with EXIT_PEER_LOST at once, from any
+    thread: tearing a broken process group down, or returning into a collective that
+    will never finish, can block forever."""
+    logging.getLogger("trainer").error("%s", message)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(EXIT_PEER_LOST)

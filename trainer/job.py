@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import sys
 import time
@@ -29,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainer import datasets, engines, runtime
 from trainer.checkpoint import Checkpoints, check_compatible, find_resume
 from trainer.config import ConfigError, global_batch, validate
-from trainer.exits import EXIT_CONFIG, EXIT_OK, EXIT_PEER_LOST, EXIT_PREEMPTED, PREEMPTED
+from trainer.exits import EXIT_CONFIG, EXIT_OK, EXIT_PREEMPTED, PREEMPTED, exit_peer_lost
 from trainer.loop import Trainer
 from trainer.preemption import Preempted
 from trainer.stores import write_atomic
@@ -61,11 +60,7 @@ def run(cfg: DictConfig) -> int:
     except Exception as e:
         if not _is_collective_failure(e):
             raise
-        log.error("%s", engine.describe_failure(e))
-        # Leave without tearing the broken process group down: that can block.
-        logging.shutdown()
-        sys.stderr.flush()
-        os._exit(EXIT_PEER_LOST)
+        exit_peer_lost(engine.describe_failure(e))
     else:
         if engine.rank == 0:
             _report(cfg, summary, checkpoints)
@@ -98,6 +93,7 @@ def _prepare(cfg: DictConfig, launch: runtime.Launch):
             f"mpirun on CPU workers (here: {launch.launcher}, {device.type}); on GPUs NCCL "
             "is the fast path (engine.backend=auto)")
     runtime.set_threads(cfg.train.threads, launch.local_world_size)
+    runtime.keep_freed_memory()
     dataset = datasets.load(cfg.dataset, cfg.data, cfg.train.seed)
     batch = global_batch(cfg, launch.world_size)
     if batch > len(dataset.train):

@@ -4,7 +4,8 @@ Every optimizer step:
 
     lr = schedule(step)                        linear scaling + warmup + decay
     for each of K micro-batches:               this rank's slice of the global batch
-        loss = criterion(model(x), y) / K
+        loss = criterion(model(x), y) / K      (x engine.loss_scale: 1, or 1/W where
+                                               the engine's allreduce sums)
         loss.backward()                        all but the last inside engine.no_sync:
                                                the allreduce runs once per step
     optimizer.step()                           gradients are the average over all
@@ -216,7 +217,7 @@ class Trainer:
                                                torch.tensor(len(y), device=y.device)])
                 if self.cfg.model.l1:
                     loss = loss + self.cfg.model.l1 * l1_penalty(self.raw_model)
-                (loss / k).backward()
+                (loss * (self.engine.loss_scale / k)).backward()
         self.optimizer.step()
         self.optimizer.zero_grad()  # sets grads to None (torch >= 2.0)
 

@@ -13,7 +13,8 @@ metadata service (IMDSv2), and at the end the OS sends SIGTERM. Every rank:
                                                             the risk went up: checkpoint now
 
 and at every step boundary the ranks add up their votes in one small allreduce, so all
-of them see the same answer at the same step. On "stop", rank 0 writes a checkpoint
+of them see the same answer at the same step (the sum of the votes of the step before,
+so that the allreduce overlaps a step's computation). On "stop", rank 0 writes a checkpoint
 at once and the job exits with code 75 (preempted); the launcher replaces the node and
 resumes. The endpoint follows AWS_EC2_METADATA_SERVICE_ENDPOINT as boto does, so tests
 point it at a local server. Off EC2 the first requests fail within a second each and the
@@ -30,6 +31,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -102,6 +104,7 @@ class Preemption:
         self._rebalance_handled = False
         self._closed = threading.Event()
         self._steps = 0
+        self._pending: Callable[[], torch.Tensor] | None = None  # the last votes sent
         self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         if cfg.imds and local_rank == 0:
             endpoint = os.environ.get("AWS_EC2_METADATA_SERVICE_ENDPOINT", DEFAULT_ENDPOINT)
@@ -142,18 +145,29 @@ class Preemption:
 
     def decide(self) -> Decision:
         """Every rank's notices, added up: the same answer on all ranks (a collective).
-        Runs every preemption.check_every_steps steps; a decision is never undone."""
+        Runs every preemption.check_every_steps steps; a decision is never undone.
+
+        Each call sends this rank's votes and answers with the sum of the votes sent by
+        the call before: the small allreduce runs while the next step computes instead
+        of stopping every step for it (a step late is nothing against a two-minute
+        notice). The first call only sends."""
         self._steps += 1
         if self._steps % self.cfg.check_every_steps:
             return Decision(None, False)
         rebalance = self._rebalance.is_set() and not self._rebalance_handled
+        self._rebalance_handled |= rebalance  # voted once; answered with the next call
         votes = torch.tensor([self._stop is not None, rebalance], dtype=torch.float32,
                              device=self.engine.device)
-        stop_votes, rebalance_votes = self.engine.all_reduce_sum(votes, "preemption").tolist()
+        # The sum sent last time first: Horovod allows one tensor of a name in flight.
+        previous = self._pending() if self._pending is not None else None
+        self._pending = self.engine.start_sum(votes, "preemption")
+        if previous is None:
+            return Decision(None, False)
+        stop_votes, rebalance_votes = previous.tolist()
         if stop_votes > 0:
             return Decision(self._stop or "another rank received a notice", False)
         if rebalance_votes > 0:
-            self._rebalance_handled = True
+            self._rebalance_handled = True  # one checkpoint, whichever rank saw it first
             return Decision(None, True)
         return Decision(None, False)
 

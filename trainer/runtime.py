@@ -13,15 +13,17 @@ No flag says how a run was started; the environment does:
     SLURM srun   SLURM_PROCID SLURM_NTASKS SLURM_LOCALID         MASTER_ADDR or the first
                                                                  node, MASTER_PORT or one
                                                                  derived from the job id
-    (none)       a single process                                an in-memory store
+    (none)       a single process                                none (no process group)
 
 Horovod does its own rendezvous (hvd.init); engine=horovod only reads the ranks.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import platform
 import random
 import socket
 import subprocess
@@ -95,6 +97,33 @@ def set_threads(threads: int | None, local_world_size: int) -> int:
         threads = max(1, len(os.sched_getaffinity(0)) // max(1, local_world_size))
     torch.set_num_threads(threads)
     return threads
+
+
+# glibc's mallopt(3) parameters, from <malloc.h>.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_MAX = 32 * 2**20  # the largest glibc accepts on 64-bit
+
+
+def keep_freed_memory() -> bool:
+    """Stop glibc's malloc from handing each step's activations back to the kernel.
+
+    A training step frees tens of MB of activations at its end and allocates them again
+    in the next. glibc serves large blocks from fresh mmaps or the heap and trims the
+    heap top whenever enough of it is free, adapting both thresholds as blocks come and
+    go; depending on how they drifted, every step faults in and zero-fills thousands of
+    fresh pages. On the default MNIST job (1 process, batch 128) that drift cost a
+    quarter of the step time: 2.9 million page faults and 10 s of system time in 300
+    steps, against 0.2 million (start-up alone) with fixed thresholds. Fixed thresholds
+    keep freed memory in the process, as jemalloc and tcmalloc do: blocks up to 32 MiB
+    come from the heap, which is never trimmed. Left alone where the user tuned malloc
+    through its MALLOC_*_ variables, or the C library is not glibc. True if applied.
+    """
+    if platform.libc_ver()[0] != "glibc" or any(
+            v in os.environ for v in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")):
+        return False
+    libc = ctypes.CDLL(None)
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+                and libc.mallopt(_M_TRIM_THRESHOLD, -1))  # -1: never trim
 
 
 def seed_all(seed: int) -> None:

@@ -69,15 +69,25 @@ class Telemetry:
         self.writer = SummaryWriter(str(self.tensorboard_dir))
         self.metrics = self.metrics_path.open("a", buffering=1)  # a line at a time
         self.progress = Progress(total_steps) if progress else None
+        self._lrs: list[tuple[int, float]] = []
 
     def lr(self, step: int, lr: float) -> None:
+        """Every step's LR. Handed to TensorBoard's writer thread with the next train
+        record, not one by one: each hand-over wakes that thread, which then takes a core
+        from the compute threads."""
         if self.enabled:
+            self._lrs.append((step, lr))
+
+    def _write_lrs(self) -> None:
+        for step, lr in self._lrs:
             self.writer.add_scalar("train/lr", lr, step)
+        self._lrs.clear()
 
     def train(self, step: int, epoch: int, lr: float, loss: float, accuracy: float,
               images_per_second: float) -> None:
         if not self.enabled:
             return
+        self._write_lrs()
         for name, value in (("loss", loss), ("accuracy", accuracy),
                             ("images_per_second", images_per_second)):
             self.writer.add_scalar(f"train/{name}", value, step)
@@ -111,5 +121,6 @@ class Telemetry:
 
     def close(self) -> None:
         if self.enabled:
+            self._write_lrs()
             self.writer.close()
             self.metrics.close()

@@ -5,6 +5,7 @@
     with engine.no_sync(model): ...backward...    # micro-steps before the last
     optimizer.step()                              # gradients are averaged by now
     engine.all_reduce_sum(metrics, "metrics")     # numbers for the logs
+    wait = engine.start_sum(votes, "preemption")  # the same, waited for a step later
 
 PyTorch DDP (engine=ddp) averages in backward hooks over bucketed gradients; Horovod
 (engine=horovod) does it in its DistributedOptimizer. Both run a ring allreduce,
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +34,10 @@ class Engine(abc.ABC):
     local_rank: int
     device: torch.device
     backend: str  # the transport of the gradient allreduce: nccl, gloo, mpi
+    # The loop multiplies every loss by this. An engine whose allreduce sums gradients
+    # instead of averaging them sets 1 / world_size: one scalar division per
+    # micro-step instead of one per gradient value (Horovod's prescale_factor).
+    loss_scale: float = 1.0
 
     @abc.abstractmethod
     def prepare(self, model: nn.Module, optimizer: Optimizer,
@@ -45,6 +51,12 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def all_reduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Sum over ranks, in place. ``name`` tells Horovod which tensor this is."""
+
+    def start_sum(self, tensor: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
+        """Start all_reduce_sum; the returned function waits for it and returns the sum.
+        This default sums at once: for engines whose small sums take microseconds."""
+        self.all_reduce_sum(tensor, name)
+        return lambda: tensor
 
     @abc.abstractmethod
     def broadcast_object(self, obj: Any) -> Any:

@@ -5,15 +5,16 @@ overlapping the ring allreduce with the rest of backward. The process group is
 joined through a TCPStore whose address comes from the launcher (runtime.py's
 table); the same store later tells survivors of a failure which ranks are gone.
 
-engine.backend=mpi (CPU, under mpirun): the gradient buckets are averaged by MPI
-through mpi4py instead of Gloo (a DDP communication hook), and so are the loop's small
+engine.backend=mpi (CPU, under mpirun): the gradient buckets are summed by MPI
+through mpi4py instead of Gloo (a DDP communication hook; each rank's loss is divided by
+the world size first, so the sum is the average), and so are the loop's small
 sums (the per-step preemption vote, metrics); the process group stays Gloo for the
 rest (object broadcasts, the final barrier). On one host MPI moves them through shared
 memory: 0.4 ms instead of Gloo's 2.7 ms for 1 MiB, 3 us instead of 2 ms for a few
 values (benchmarks/results/reference/). The hook waits until its bucket is
 reduced, so buckets do not overlap with the rest of backward: worth it while a
-bucket's MPI allreduce is shorter than Gloo's. MPI calls are polled against
-engine.timeout_s, so a hung rank fails the others as under Gloo.
+bucket's MPI allreduce is shorter than Gloo's. A watchdog holds MPI calls to
+engine.timeout_s (engines/mpi.py), so a hung rank fails the others as under Gloo.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -36,6 +38,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from trainer.engines import Engine
+from trainer.engines.mpi import MPISums
+from trainer.exits import exit_peer_lost
 from trainer.runtime import Launch, outward_address, slurm_master_addr
 
 log = logging.getLogger(__name__)
@@ -70,8 +74,6 @@ def _split(address: str) -> tuple[str, int]:
 def rendezvous(launch: Launch, timeout: timedelta) -> dist.Store:
     """The store every rank of this launch connects to, found the launcher's way."""
     env = os.environ
-    if launch.world_size == 1:
-        return dist.HashStore()
     if launch.launcher == "torchrun":
         # torchrun's agent already serves a store at MASTER_ADDR:MASTER_PORT.
         agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -123,38 +125,12 @@ def _horovodrun_rendezvous(launch: Launch, timeout: timedelta) -> dist.Store:
             time.sleep(0.1)  # rank 0 has not posted yet
 
 
-def _mpi_allreduce_sum(comm, tensor: torch.Tensor, timeout_s: float) -> torch.Tensor:
-    """Sum a CPU tensor over MPI in place; a DistBackendError after ``timeout_s``.
-
-    MPI's own collectives wait forever for a rank that hangs (mpirun ends the job only
-    when one exits), so the allreduce is started non-blocking and polled against the
-    engine's timeout, as Gloo's are. Polling costs nothing here: the rank has nothing
-    else to do until the sum is in, and MPI's blocking call polls as well."""
-    from mpi4py import MPI
-
-    request = comm.Iallreduce(MPI.IN_PLACE, tensor.numpy())  # the tensor's own memory
-    deadline = time.monotonic() + timeout_s
-    while not request.Test():
-        if time.monotonic() > deadline:
-            raise dist.DistBackendError(
-                f"MPI allreduce of {tensor.numel()} values: timed out after {timeout_s:g} s "
-                "(engine.timeout_s)")
-    return tensor
-
-
-def mpi_average(comm, tensor: torch.Tensor, timeout_s: float) -> torch.Tensor:
-    """What engine.backend=mpi does to each gradient bucket: the average over the ranks,
-    in place (benchmarks/allreduce.py times it as the transport "trainer-mpi")."""
-    return _mpi_allreduce_sum(comm, tensor, timeout_s).div_(comm.Get_size())
-
-
-def _mpi_average_hook(state: tuple[Any, float], bucket):  # DDP checks no annotation here
-    """A DDP communication hook: the average of a gradient bucket (dist.GradBucket), by
-    MPI; returns a completed Future of the bucket's tensor."""
-    comm, timeout_s = state
-    tensor = mpi_average(comm, bucket.buffer(), timeout_s)
+def _mpi_sum_hook(sums: MPISums, bucket):  # DDP checks no annotation here
+    """A DDP communication hook: the sum of a gradient bucket (dist.GradBucket) over the
+    ranks, by MPI, which is the average because every rank's loss was divided by the
+    world size (loss_scale); returns a completed Future of the bucket's tensor."""
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(tensor)
+    future.set_result(sums.sum_(bucket.buffer()))
     return future
 
 
@@ -167,6 +143,12 @@ class DDPEngine(Engine):
         self.local_rank, self.device = launch.local_rank, device
         self.backend = ("nccl" if device.type == "cuda" else "gloo") if cfg.backend == "auto" \
             else cfg.backend
+        # Who runs where, for error messages about lost ranks.
+        self.ranks = [f"{socket.gethostname()} pid {os.getpid()}"]
+        if self.world_size == 1:
+            # Nothing to average, so no process group: its Gloo thread would wake 100
+            # times a second and take turns with the compute threads on the cores.
+            return
         timeout = timedelta(seconds=cfg.timeout_s)
         self.store = rendezvous(launch, timeout)
         dist.init_process_group(
@@ -175,8 +157,12 @@ class DDPEngine(Engine):
             world_size=self.world_size, timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
-        # Who runs where, for error messages about lost ranks.
-        self.ranks = self.all_gather_object(f"{socket.gethostname()} pid {os.getpid()}")
+        self.ranks = self.all_gather_object(self.ranks[0])
+        if self.backend == "mpi":
+            from mpi4py import MPI
+
+            self._mpi_sums = MPISums(MPI.COMM_WORLD, cfg.timeout_s, self._mpi_timed_out)
+            self.loss_scale = 1 / self.world_size  # the hook sums; this makes it the mean
 
     def prepare(self, model: nn.Module, optimizer: Optimizer,
                 accumulation: int) -> tuple[nn.Module, Optimizer]:
@@ -195,9 +181,7 @@ class DDPEngine(Engine):
             gradient_as_bucket_view=True,
         )
         if self.backend == "mpi":
-            from mpi4py import MPI
-
-            ddp.register_comm_hook((MPI.COMM_WORLD, self.cfg.timeout_s), _mpi_average_hook)
+            ddp.register_comm_hook(self._mpi_sums, _mpi_sum_hook)
         self._broadcast_optimizer_state(optimizer)
         return ddp, optimizer
 
@@ -214,18 +198,26 @@ class DDPEngine(Engine):
         if self.world_size == 1:
             return tensor
         if self.backend == "mpi":  # the per-step vote: microseconds over MPI, ms over Gloo
-            from mpi4py import MPI
-
-            return _mpi_allreduce_sum(MPI.COMM_WORLD, tensor, self.cfg.timeout_s)
+            return self._mpi_sums.sum_(tensor)
         dist.all_reduce(tensor)
         return tensor
 
+    def start_sum(self, tensor: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
+        if self.world_size == 1 or self.backend == "mpi":
+            return super().start_sum(tensor, name)
+        work = dist.all_reduce(tensor, async_op=True)
+        return lambda: (work.wait(), tensor)[1]
+
     def broadcast_object(self, obj: Any) -> Any:
+        if self.world_size == 1:
+            return obj
         box = [obj]
         dist.broadcast_object_list(box, src=0, device=self._object_device)
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
@@ -233,6 +225,10 @@ class DDPEngine(Engine):
     @property
     def _object_device(self) -> torch.device | None:
         return self.device if self.backend == "nccl" else None
+
+    def _mpi_timed_out(self, message: str) -> None:
+        """The MPI watchdog's verdict (on its thread, while this rank is stuck in MPI)."""
+        exit_peer_lost(self.describe_failure(dist.DistBackendError(message)))
 
     def describe_failure(self, error: BaseException) -> str:
         missing = self._roll_call()

@@ -9,6 +9,7 @@ Build Horovod with `make horovod` (see README).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,10 @@ class HorovodEngine(Engine):
 
     def all_reduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         return self.hvd.allreduce_(tensor, op=self.hvd.Sum, name=f"spotring.{name}")
+
+    def start_sum(self, tensor: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
+        handle = self.hvd.allreduce_async_(tensor, op=self.hvd.Sum, name=f"spotring.{name}")
+        return lambda: self.hvd.synchronize(handle)
 
     # Explicit names: Horovod's default is the object's type name, which differs when
     # rank 0 sends a checkpoint (a dict) and the others pass None, and then they wait

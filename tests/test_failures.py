@@ -152,3 +152,16 @@ def test_hung_worker_under_mpi_allreduce_is_caught_by_the_timeout(tmp_path):
             proc.kill()
         if pid := rank_pid(str(run_dir), 1):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("error, lost", [
+    (RuntimeError("Application timeout caused pair closure"), True),  # DDP, after the vote
+    (RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"), True),
+    (RuntimeError("Timed out waiting 6000ms for recv operation to complete"), True),
+    (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), False),  # a bug: traceback
+    (ValueError("Timed out"), False),
+])
+def test_transport_errors_count_as_a_lost_rank_and_bugs_do_not(error, lost):
+    from trainer.job import _is_collective_failure
+
+    assert _is_collective_failure(error) is lost

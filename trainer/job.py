@@ -137,10 +137,14 @@ def _is_collective_failure(error: BaseException) -> bool:
     if isinstance(error, torch.distributed.DistError):
         return True
     name = type(error).__name__
-    text = str(error)
+    text = str(error).lower()
+    # DDP's reducer raises a plain RuntimeError with the transport's message, such as
+    # "Application timeout caused pair closure" when an earlier collective on the same
+    # connection (the vote in flight) timed out first.
     return name == "HorovodInternalError" or (
         isinstance(error, RuntimeError)
-        and any(s in text for s in ("Gloo", "gloo", "NCCL", "Connection closed", "Timed out")))
+        and any(s in text for s in ("gloo", "nccl", "connection closed", "timed out",
+                                    "pair closure")))
 
 
 def _report(cfg: DictConfig, summary: dict[str, Any], checkpoints: Checkpoints) -> None:

@@ -36,7 +36,6 @@ def test_detects_the_launcher_from_its_variables(name):
     assert detect(env) == expected
 
 
-
 # Allocates a 20 MB "activation" and frees it; prints whether glibc served it from a
 # fresh mmap (given back to the kernel on free, faulted in again on every step), and
 # how many bytes of heap the free handed back to the kernel (mallinfo2, glibc >= 2.33).

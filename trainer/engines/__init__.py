@@ -78,6 +78,6 @@ def create(cfg: DictConfig, launch: Launch, device: torch.device) -> Engine:
         from trainer.engines.horovod import HorovodEngine
 
         return HorovodEngine(cfg, launch, device)
-    from trainer.engines.ddp import DDPEngine
+    from trainer.engines.ddp import DDPEngine, SingleProcess
 
-    return DDPEngine(cfg, launch, device)
+    return (SingleProcess if launch.world_size == 1 else DDPEngine)(cfg, launch, device)

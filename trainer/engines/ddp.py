@@ -134,6 +134,42 @@ def _mpi_sum_hook(sums: MPISums, bucket):  # DDP checks no annotation here
     return future
 
 
+def backend_of(cfg: DictConfig, device: torch.device) -> str:
+    """The transport engine.backend names: auto is NCCL on GPUs, Gloo on CPUs."""
+    if cfg.backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    return cfg.backend
+
+
+class SingleProcess(Engine):
+    """engine=ddp with one process. Nothing to average, so no process group (its Gloo
+    thread would wake 100 times a second and take turns with the compute threads on
+    the cores), no DDP wrapper (its bucket copies), and every collective is the
+    identity."""
+
+    name = "ddp"
+
+    def __init__(self, cfg: DictConfig, launch: Launch, device: torch.device) -> None:
+        self.rank, self.world_size, self.local_rank = 0, 1, launch.local_rank
+        self.device, self.backend = device, backend_of(cfg, device)
+
+    def prepare(self, model: nn.Module, optimizer: Optimizer,
+                accumulation: int) -> tuple[nn.Module, Optimizer]:
+        return model, optimizer
+
+    def all_reduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        return tensor
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return obj
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def shutdown(self) -> None:
+        pass
+
+
 class DDPEngine(Engine):
     name = "ddp"
 
@@ -141,14 +177,7 @@ class DDPEngine(Engine):
         self.cfg = cfg
         self.rank, self.world_size = launch.rank, launch.world_size
         self.local_rank, self.device = launch.local_rank, device
-        self.backend = ("nccl" if device.type == "cuda" else "gloo") if cfg.backend == "auto" \
-            else cfg.backend
-        # Who runs where, for error messages about lost ranks.
-        self.ranks = [f"{socket.gethostname()} pid {os.getpid()}"]
-        if self.world_size == 1:
-            # Nothing to average, so no process group: its Gloo thread would wake 100
-            # times a second and take turns with the compute threads on the cores.
-            return
+        self.backend = backend_of(cfg, device)
         timeout = timedelta(seconds=cfg.timeout_s)
         self.store = rendezvous(launch, timeout)
         dist.init_process_group(
@@ -157,7 +186,8 @@ class DDPEngine(Engine):
             world_size=self.world_size, timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
-        self.ranks = self.all_gather_object(self.ranks[0])
+        # Who runs where, for error messages about lost ranks.
+        self.ranks = self.all_gather_object(f"{socket.gethostname()} pid {os.getpid()}")
         if self.backend == "mpi":
             from mpi4py import MPI
 
@@ -170,8 +200,6 @@ class DDPEngine(Engine):
             # The new SyncBatchNorm modules keep the same Parameter objects, so the
             # optimizer built over the old ones still steps them.
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        if self.world_size == 1:
-            return model, optimizer  # nothing to average; skip DDP's bucket copies
         # DDP's constructor broadcasts rank 0's parameters and buffers to all ranks;
         # rank 0 loaded the checkpoint on resume, so everyone resumes from it.
         ddp = DistributedDataParallel(
@@ -195,29 +223,23 @@ class DDPEngine(Engine):
         return super().no_sync(model)
 
     def all_reduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        if self.world_size == 1:
-            return tensor
         if self.backend == "mpi":  # the per-step vote: microseconds over MPI, ms over Gloo
             return self._mpi_sums.sum_(tensor)
         dist.all_reduce(tensor)
         return tensor
 
     def start_sum(self, tensor: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
-        if self.world_size == 1 or self.backend == "mpi":
+        if self.backend == "mpi":
             return super().start_sum(tensor, name)
         work = dist.all_reduce(tensor, async_op=True)
         return lambda: (work.wait(), tensor)[1]
 
     def broadcast_object(self, obj: Any) -> Any:
-        if self.world_size == 1:
-            return obj
         box = [obj]
         dist.broadcast_object_list(box, src=0, device=self._object_device)
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [obj]
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
@@ -268,7 +290,6 @@ class DDPEngine(Engine):
         exception") after a run that succeeded; seen in CI, see pytorch/pytorch#179291.
         """
         if dist.is_initialized():
-            if self.world_size > 1:
-                dist.barrier(device_ids=[self.device.index] if self.backend == "nccl" else None)
+            dist.barrier(device_ids=[self.device.index] if self.backend == "nccl" else None)
             dist.destroy_process_group()
         gc.collect()

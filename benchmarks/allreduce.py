@@ -19,8 +19,10 @@ Transports, each started by its launcher (benchmarks/allreduce_ranks.py does the
                   comm hook's watched sum over mpi4py), to be compared with the transports
 
 Every size of every transport is measured --repeats times, transports interleaved;
-the median time counts. Each row also says how it compares with the best transport at
-that size (busbw / best busbw; the trainer's path is compared, never the best).
+the median time counts. So does the median CPU a transport's threads take from a
+program that computes (`background_cpu_cores`, in cores; see allreduce_ranks.py). Each row also says
+how it compares with the best transport at that size (busbw / best busbw; the trainer's
+path is compared, never the best).
 """
 
 from __future__ import annotations
@@ -82,15 +84,19 @@ def _run(transport: str, ranks: int, message_sizes: list[int],
 def measure(transports: list[str], ranks: int, message_sizes: list[int], budget: float,
             repeats: int) -> dict:
     seconds: dict[str, dict[int, list[float]]] = {t: {} for t in transports}
+    background: dict[str, list[float]] = {t: [] for t in transports}
     commands: dict[str, str] = {}
     for repeat in range(repeats):
         for transport in transports if repeat % 2 == 0 else transports[::-1]:
             result, commands[transport] = _run(transport, ranks, message_sizes, budget)
             for row in result["results"]:
                 seconds[transport].setdefault(row["bytes"], []).append(row["seconds"])
+            background[transport].append(result["background_cpu_cores"])
             print(f"[{repeat + 1}/{repeats}] allreduce over {transport}: "
                   + ", ".join(f"{r['bytes'] // KIB} KiB {r['seconds'] * 1e3:.3g} ms"
-                              for r in result["results"][::4]), flush=True)
+                              for r in result["results"][::4])
+                  + f"; its threads take {result['background_cpu_cores']:.2f} cores from "
+                  "computing", flush=True)
     rows = {t: [{"bytes": n, "seconds": statistics.median(s), "seconds_per_repeat": s,
                  **bandwidth(n, statistics.median(s), ranks)} for n, s in sorted(by_size.items())]
             for t, by_size in seconds.items()}
@@ -101,7 +107,8 @@ def measure(transports: list[str], ranks: int, message_sizes: list[int], budget:
         for r in at_n.values():
             r["of_best"] = r["busbw_gbps"] / best if best else None
     return {"ranks": ranks, "budget_seconds": budget, "repeats": repeats,
-            "commands": commands, "transports": rows}
+            "commands": commands, "transports": rows,
+            "background_cpu_cores": {t: statistics.median(v) for t, v in background.items()}}
 
 
 def main() -> None:

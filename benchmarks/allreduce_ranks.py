@@ -13,6 +13,16 @@ Timing, as nccl-tests does it: a float32 sum of ``bytes`` in place; warm-up call
 then a timed loop whose length is agreed on by all ranks (about --budget seconds);
 the time per call is the slowest rank's average. Buffers hold zeros, so sums never
 overflow into infinities. Rank 0 prints one JSON line: seconds per call per size.
+
+Then every rank works as in training for --busy seconds: bursts of computation (matrix
+products on its one thread, keeping its core busy), each followed by a small allreduce,
+as a step's backward is followed by its gradients' allreduce. It reports the CPU the
+process's other threads took during the bursts, in cores: what the transport's own
+threads take from the computation. Horovod's background thread runs its negotiation
+cycle every HOROVOD_CYCLE_TIME ms whether or not there is anything to reduce (and under
+MPI polls while it waits for the other ranks' cycles, which the allreduces keep in
+step); Gloo's and MPI's threads sleep. benchmarks/predict.py charges this CPU to the
+compute where the workers have no spare core. The busiest rank's figure is reported.
 """
 
 from __future__ import annotations
@@ -166,18 +176,38 @@ def time_allreduce(transport, nbytes: int, budget: float) -> dict:
             "seconds": seconds, "calls": calls}
 
 
+def background_cpu_cores(transport, seconds: float, burst: float = 0.025) -> float:
+    """CPU (in cores) the other threads of this process took while its main thread
+    computed, in bursts of ``burst`` seconds between small allreduces, for about
+    ``seconds``: the transport's background threads, the busiest rank's."""
+    a, buf = torch.ones(256, 256), transport.buffer(256)
+    others = computing = 0.0
+    for _ in range(max(1, round(seconds / burst))):
+        cpu, own, wall = time.process_time(), time.thread_time(), time.perf_counter()
+        while time.perf_counter() - wall < burst:
+            torch.mm(a, a)
+        others += (time.process_time() - cpu) - (time.thread_time() - own)
+        computing += time.perf_counter() - wall
+        transport.allreduce(buf)
+    transport.wait()
+    return transport.max(others / computing)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("transport", choices=list(TRANSPORTS))
     p.add_argument("--sizes", nargs="+", type=int, required=True, help="bytes")
     p.add_argument("--budget", type=float, default=0.2, help="seconds of timed calls per size")
+    p.add_argument("--busy", type=float, default=1.0,
+                   help="seconds of computing, for the CPU the transport takes from it")
     args = p.parse_args()
     torch.set_num_threads(1)
     transport = TRANSPORTS[args.transport]()
     results = [time_allreduce(transport, n, args.budget) for n in args.sizes]
+    background = background_cpu_cores(transport, args.busy)
     if transport.rank == 0:
         print(json.dumps({"transport": args.transport, "ranks": transport.size,
-                          "results": results}), flush=True)
+                          "results": results, "background_cpu_cores": background}), flush=True)
     transport.close()
 
 

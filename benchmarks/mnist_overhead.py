@@ -2,11 +2,14 @@
 
 For 1 worker with 2 threads and for 2 workers with 1 thread each (torchrun, DDP on
 Gloo), runs the trainer's default config and benchmarks/plain_loop.py with the same
-network, global batch (128), data and LR curve, alternating them `--repeats` times in
-one session so both see the same machine. Reports img/s (training steps only) and the
-training time until the test accuracy first reaches 99% (evaluated every quarter
-epoch), and the ratio trainer / plain. (benchmarks/throughput.py measures img/s alone,
-with confidence intervals; this measures whole runs, accuracy included.)
+network, global batch (128), data and LR curve, back to back, `--repeats` times in one
+session: trainer first in even repeats, plain first in odd ones, so a drift of the
+machine's speed favours neither. Reports img/s (training steps only), the training time
+until the test accuracy first reaches 99% (evaluated every quarter epoch), and the
+ratio trainer / plain of each back-to-back pair with their median: on a shared VM the
+speed wanders by tens of percent over minutes, and a pair sees the same few minutes.
+(benchmarks/throughput.py measures img/s alone, with confidence intervals; this measures
+whole runs, accuracy included.)
 
     python -m benchmarks.mnist_overhead [--repeats 1] [--epochs 2]   # about 3 min a repeat
 
@@ -67,9 +70,10 @@ def run_plain(launcher: str, workers: int, threads: int, epochs: int,
 def measure(repeats: int, epochs: int, folder: Path) -> dict:
     runs: dict[str, dict[str, list[dict]]] = {s: {"trainer": [], "plain": []} for s in SETUPS}
     commands = []
+    kinds = [("trainer", run_trainer), ("plain", run_plain)]
     for repeat in range(repeats):
         for setup, (launcher, workers, threads) in SETUPS.items():
-            for kind, fn in (("trainer", run_trainer), ("plain", run_plain)):
+            for kind, fn in kinds if repeat % 2 == 0 else kinds[::-1]:
                 run_dir = folder / "runs" / f"overhead-{kind}-w{workers}-r{repeat}"
                 result, command = fn(launcher, workers, threads, epochs, run_dir)
                 runs[setup][kind].append(result)
@@ -89,7 +93,9 @@ def measure(repeats: int, epochs: int, folder: Path) -> dict:
                                   for kind in ("trainer", "plain")
                                   for key in ("images_per_second", "time_to_99",
                                               "test_accuracy")}
-        row["ratio"] = row["trainer_images_per_second"] / row["plain_images_per_second"]
+        pairs = zip(runs[setup]["trainer"], runs[setup]["plain"], strict=True)
+        row["pair_ratios"] = [t["images_per_second"] / p["images_per_second"] for t, p in pairs]
+        row["ratio"] = statistics.median(row["pair_ratios"])
         rows.append(row)
     return {"epochs": epochs, "global_batch": GLOBAL_BATCH, "repeats": repeats, "rows": rows,
             "runs": runs, "commands": commands}

@@ -10,7 +10,9 @@
 The model (alpha-beta, ring allreduce; Thakur et al. 2005, Patarasuk & Yuan 2009).
 Every step, each of the N = nodes x gpus_per_node workers
 
-    computes      t_c = batch / r1             r1: img/s of one worker computing
+    computes      t_c = batch / (r1 s)         r1: img/s of one worker computing
+                                               s: the share of its compute cores it
+                                               keeps (below)
                   t_b = 2/3 t_c                backward is about twice the forward pass
     averages the G gradient bytes in k = ceil(G / bucket) ring allreduces, each of
                   2(N-1) messages (reduce-scatter, then all-gather):
@@ -28,7 +30,15 @@ Every step, each of the N = nodes x gpus_per_node workers
     and pays      c 2(N-1) alpha for c other blocking small allreduces per step (the
                   trainer's spot-notice vote: c = 1; the plain loop: 0)
     takes         t_step = t_c + sigma e_N + t_x + c 2(N-1) alpha
-                  img/s = N batch / t_step;  efficiency = t_c / t_step
+                  img/s = N batch / t_step;  efficiency = batch / r1 / t_step
+
+Shared cores. Where the workers compute on CPU cores, the engine's own background threads
+run on the same cores: Horovod's negotiation cycle wakes every HOROVOD_CYCLE_TIME (1 ms)
+whether or not a tensor is ready. A worker given c cores for its `threads` compute
+threads, whose engine takes h cores in the background, keeps s = min(1, (c - h) /
+threads) of them. h is measured, not fitted: the CPU a transport's threads take from a
+program that keeps every core of the host computing (benchmarks/allreduce_ranks.py).
+On GPUs, and where cores are spare, s = 1.
 
 Time to train = samples x epochs / img/s; cost = nodes x hours x price per node-hour.
 The cost-optimal node count for a deadline is the cheapest that finishes in time.
@@ -57,7 +67,8 @@ Validation (--validate; tests/test_predict.py checks the 10%):
     workers run at once (the host as busy as with 2 workers: the two "nodes" share one
     memory system here; they log every step), alpha and beta fitted to the allreduce
     measurements of the engine's transport, G and bucket of the engine, c = 1 for the
-    trainer's engines.
+    trainer's engines, s from the host's cores, the workers' threads and the CPU the
+    engine's transport takes from them.
 """
 
 from __future__ import annotations
@@ -98,6 +109,7 @@ class Scenario:
     gpus_per_node: int = 1
     jitter: float = 0.01  # standard deviation of a worker's step time / its mean
     collectives: int = 0  # other blocking small allreduces per step
+    compute_share: float = 1.0  # s: of its compute cores, what a worker keeps
     intra_latency_s: float = 5e-6  # alpha and beta inside one node (PCIe)
     intra_bandwidth: float = 10e9
     samples: int = 1_281_167
@@ -129,7 +141,7 @@ def step_seconds(s: Scenario, nodes: int) -> dict[str, float]:
     """One step on ``nodes`` nodes: compute, waiting for the slowest worker, and the
     exposed communication (gradients after overlap, and the other collectives)."""
     workers = nodes * s.gpus_per_node
-    compute = s.batch / s.img_s
+    compute = s.batch / (s.img_s * s.compute_share)
     latency, bandwidth = ((s.latency_s, s.bandwidth) if nodes > 1
                           else (s.intra_latency_s, s.intra_bandwidth))
     k = max(1, math.ceil(s.gradient_bytes / s.bucket_bytes))
@@ -148,7 +160,7 @@ def predict(s: Scenario, nodes: int) -> dict:
     img_s = workers * s.batch / step
     hours = s.samples * s.epochs / img_s / 3600
     return {"nodes": nodes, "workers": workers, "img_s": img_s,
-            "efficiency": t["compute"] / step, "compute_ms": 1e3 * t["compute"],
+            "efficiency": s.batch / s.img_s / step, "compute_ms": 1e3 * t["compute"],
             "wait_ms": 1e3 * t["wait"], "communication_ms": 1e3 * t["communication"],
             "hours": hours, "node_hours": nodes * hours, "cost": nodes * hours * s.price}
 
@@ -158,6 +170,12 @@ def cost_optimal(s: Scenario, deadline_hours: float, max_nodes: int = 256) -> di
     fits = [p for p in map(lambda n: predict(s, n), range(1, max_nodes + 1))
             if p["hours"] <= deadline_hours]
     return min(fits, key=lambda p: (p["cost"], p["hours"])) if fits else None
+
+
+def compute_share(cores_per_worker: float, threads: int, background_cores: float) -> float:
+    """s: the share of its ``threads`` compute cores a worker keeps when it has
+    ``cores_per_worker`` cores and its engine's threads take ``background_cores``."""
+    return max(0.0, min(1.0, (cores_per_worker - background_cores) / threads))
 
 
 def fit_alpha_beta(rows: list[dict], ranks: int) -> tuple[float, float]:
@@ -215,11 +233,15 @@ def machine_scenario(results: dict, engine: str, workers: int, batch: int,
     """This machine as measured in a results.json, for ``engine``: r1 and jitter of one
     worker with the host as busy as with ``workers`` workers (r1 of one worker alone:
     busy=False), alpha and beta fitted to the engine's transport, the model's gradient
-    bytes, the engine's bucket, the trainer's extra collective."""
+    bytes, the engine's bucket, the trainer's extra collective, and the share of its
+    core each worker keeps from the transport's background threads."""
     throughput, allreduce = results["throughput"], results["allreduce"]
     transport = ENGINE_TRANSPORT[engine]
     latency, bandwidth = fit_alpha_beta(allreduce["transports"][transport], allreduce["ranks"])
-    computing = _row(throughput, reference(engine), batch, workers, True)["step_time"]
+    run = _row(throughput, reference(engine), batch, workers, True)
+    computing = run["step_time"]
+    share = compute_share(results["machine"]["cores"] / workers, run["threads"],
+                          allreduce["background_cpu_cores"][transport])
     img_s = (1000 * batch / computing["mean_ms"] if busy else
              _row(throughput, reference(engine), batch, 1, False)["per_worker_median"]["median"])
     return Scenario(
@@ -227,7 +249,7 @@ def machine_scenario(results: dict, engine: str, workers: int, batch: int,
         throughput["gradient_bytes"], BUCKET_BYTES[engine], latency, bandwidth,
         jitter=computing["sd_ms"] / computing["mean_ms"],
         collectives=0 if engine == "plain" else TRAINER_COLLECTIVES_PER_STEP,
-        samples=60_000, epochs=2,
+        compute_share=share, samples=60_000, epochs=2,
         source=f"{'busy' if busy else 'alone'} compute, {transport} allreduce fit")
 
 
@@ -248,7 +270,8 @@ def validate_machine(results: dict) -> list[dict]:
                      "published": row["total_median"], "predicted": p["img_s"],
                      "error": p["img_s"] / row["total_median"] - 1,
                      "predicted_compute_alone": predict(alone, n)["img_s"],
-                     "jitter": busy.jitter, "wait_ms": p["wait_ms"],
+                     "jitter": busy.jitter, "compute_share": busy.compute_share,
+                     "wait_ms": p["wait_ms"],
                      "communication_ms": p["communication_ms"],
                      "measured_communication_ms": row.get("communication_ms"),
                      "latency_us": busy.latency_s * 1e6, "bandwidth_gbps": busy.bandwidth / 1e9,

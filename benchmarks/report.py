@@ -177,6 +177,9 @@ def allreduce(r: dict) -> str:
         "Bus bandwidth, GB/s:\n\n" + table(["size", *names], cells("busbw_gbps")),
         "Algorithm bandwidth, GB/s:\n\n" + table(["size", *names], cells("algbw_gbps")),
         "![busbw against size](allreduce.png)",
+        "CPU the transport's own threads take from a program that computes on every core "
+        "(median, cores; the predictor takes it from the workers' compute): "
+        + ", ".join(f"{t} {a['background_cpu_cores'][t]:.2f}" for t in names) + ".",
         commands("exact commands", list(a["commands"].values())),
     ])
 
@@ -206,7 +209,8 @@ def prediction(r: dict) -> str:
                   f"{row['predicted']:.4g}", f"{100 * row['error']:+.1f}%", row["source"]]
                  for row in p["published"]]
     machine = [[row["engine"], str(row["batch"]), rate(row["published"]), rate(row["predicted"]),
-                f"{100 * row['error']:+.1f}%", percent(row["jitter"]), millis(row["wait_ms"]),
+                f"{100 * row['error']:+.1f}%", percent(row["jitter"]),
+                percent(row["compute_share"]), millis(row["wait_ms"]),
                 millis(row["communication_ms"]), millis(row["measured_communication_ms"]),
                 rate(row["predicted_compute_alone"]), f"{row['latency_us']:.0f}",
                 gbps(row["bandwidth_gbps"])]
@@ -220,10 +224,13 @@ def prediction(r: dict) -> str:
         "![predicted against published](prediction.png)",
         "Against this machine's 2-worker img/s, predicted from the compute-only runs (mean "
         "step time and its jitter, the host as busy as with 2 workers) and the alpha and beta "
-        "fitted to the engine's transport. wait = the slowest worker's lateness; comm = "
-        "gradients + the trainer's per-step vote; measured comm = step - compute above.",
+        "fitted to the engine's transport. core kept = the share of its core a worker "
+        "keeps from its transport's background threads (the CPU they take from a program "
+        "that computes, measured with the allreduce); wait = the slowest worker's lateness; "
+        "comm = gradients + the trainer's per-step vote; measured comm = step - compute "
+        "above.",
         table(["engine", "batch", "measured img/s", "predicted", "error", "jitter",
-               "wait ms", "comm ms", "measured comm ms", "predicted, compute alone",
+               "core kept", "wait ms", "comm ms", "measured comm ms", "predicted, compute alone",
                "alpha us", "beta GB/s"], machine) if machine else "",
     ])
 
@@ -232,6 +239,7 @@ def mnist_overhead(r: dict) -> str:
     o = r["mnist_overhead"]
     rows = [[row["setup"], rate(row["trainer_images_per_second"]),
              rate(row["plain_images_per_second"]), f"{row['ratio']:.3f}",
+             ", ".join(f"{x:.2f}" for x in row["pair_ratios"]),
              *(DASH if row[f"{k}_time_to_99"] is None else f"{row[f'{k}_time_to_99']:.1f}"
                for k in ("trainer", "plain")),
              *(percent(row[f"{k}_test_accuracy"], 2) for k in ("trainer", "plain"))]
@@ -239,8 +247,10 @@ def mnist_overhead(r: dict) -> str:
     return "\n\n".join([
         f"## Trainer against the plain loop, MNIST, {o['epochs']} epochs, global batch "
         f"{o['global_batch']}",
-        f"Medians of {o['repeats']} run(s) each, alternated in one session.",
-        table(["setup", "trainer img/s", "plain img/s", "ratio", "trainer s to 99%",
+        f"Medians of {o['repeats']} run(s) each, in back-to-back pairs (which runs first "
+        "alternates); the ratio is the median of the pairs' ratios trainer / plain.",
+        table(["setup", "trainer img/s", "plain img/s", "ratio", "pair ratios",
+               "trainer s to 99%",
                "plain s to 99%", "trainer final", "plain final"], rows),
         commands("exact commands", o["commands"]),
     ])

@@ -121,6 +121,7 @@ def check_report(folder: Path) -> int:
             expect(row["error"], 100 * j["error"])
     for row, j in zip(machine, results["prediction"]["machine"], strict=True):
         assert (row["engine"], int(row["batch"])) == (j["engine"], j["batch"])
+        expect(row["core kept"], 100 * j["compute_share"])
         expect(row["wait ms"], j["wait_ms"])
         expect(row["comm ms"], j["communication_ms"])
     return checked

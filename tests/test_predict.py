@@ -13,6 +13,7 @@ import pytest
 from benchmarks.allreduce import bandwidth
 from benchmarks.predict import (
     PRESETS,
+    compute_share,
     cost_optimal,
     expected_max_of_normals,
     fit_alpha_beta,
@@ -77,6 +78,20 @@ def test_one_bucket_cannot_overlap_with_backward():
     exposed = step_seconds(s, 8)["communication"]
     assert exposed == pytest.approx(ring_allreduce_seconds(s.gradient_bytes, 8, s.latency_s,
                                                            s.bandwidth))
+
+
+def test_background_threads_slow_the_compute_only_where_no_core_is_spare():
+    assert compute_share(cores_per_worker=8, threads=1, background_cores=0.16) == 1.0
+    assert compute_share(cores_per_worker=1, threads=1, background_cores=0.16) == \
+        pytest.approx(0.84)
+    assert compute_share(cores_per_worker=1, threads=2, background_cores=0.0) == 0.5
+    s = PRESETS["chameleon-resnet50"]
+    shared = replace(s, compute_share=0.84)
+    assert step_seconds(shared, 2)["compute"] == pytest.approx(step_seconds(s, 2)["compute"]
+                                                               / 0.84)
+    assert step_seconds(shared, 2)["communication"] == step_seconds(s, 2)["communication"]
+    # Efficiency stays against one worker computing alone, so the lost share shows in it.
+    assert predict(shared, 1)["efficiency"] == pytest.approx(0.84)
 
 
 def test_more_nodes_are_faster_but_less_efficient():

@@ -186,7 +186,7 @@ def background_cpu_cores(transport, seconds: float, burst: float = 0.025) -> flo
         cpu, own, wall = time.process_time(), time.thread_time(), time.perf_counter()
         while time.perf_counter() - wall < burst:
             torch.mm(a, a)
-        others += (time.process_time() - cpu) - (time.thread_time() - own)
+        others += max(0.0, (time.process_time() - cpu) - (time.thread_time() - own))
         computing += time.perf_counter() - wall
         transport.allreduce(buf)
     transport.wait()

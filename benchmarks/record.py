@@ -30,13 +30,20 @@ def add_name_argument(p: argparse.ArgumentParser, kind: str) -> None:
                    f"path (default: <time>-{kind})")
 
 
-def write(name: str | None, kind: str, measure: Callable[[Path], dict]) -> dict:
+def write(name: str | None, kind: str, measure: Callable[[Path], dict],
+          derive: Callable[[dict], dict] | None = None) -> dict:
     """Run ``measure(folder)`` (it returns results.json's sections) into a new results
-    folder, between the header (machine, command, start) and the end (time, load)."""
+    folder, between the header (machine, command, start) and the end (time, load); then
+    add what ``derive`` computes from the whole (header included). The measurements are
+    saved first: a failure in ``derive`` loses no measured hour (`suite --derive` redoes
+    it)."""
     folder = _new_folder(name, kind)
     results = _begin()
     results.update(measure(folder))
     _finish(folder, results)
+    if derive is not None:
+        results = derive(results)
+        save(folder, results)
     return results
 
 

@@ -95,13 +95,12 @@ def measure(args: argparse.Namespace, folder: Path) -> dict:
         [g for g in groups if g.models],
         args.table_batch_sizes or (batch_sizes.QUICK_BATCHES if args.quick
                                    else batch_sizes.FULL_BATCHES), os.cpu_count(), 1, folder)
-
-    return derive(results)
+    return results
 
 
 def derive(results: dict) -> dict:
-    """The sections computed from the measured ones (no measurement): the issue-3 table,
-    the predictor's validation, the targets."""
+    """The sections computed from the measured ones and the machine (no measurement): the
+    issue-3 table, the predictor's validation, the targets."""
     results["mnist_engines"] = mnist_engines.summarize(results["throughput"],
                                                        results["allreduce"], 64)
     results["prediction"] = {"published": predict.validate_published(),
@@ -128,7 +127,7 @@ def main() -> None:
         record.save(record.find(args.derive), derive(record.load(record.find(args.derive))))
         return
     record.write(args.name, "bench-quick" if args.quick else "bench",
-                 lambda folder: measure(args, folder))
+                 lambda folder: measure(args, folder), derive)
 
 
 if __name__ == "__main__":

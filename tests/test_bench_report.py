@@ -179,3 +179,5 @@ def test_a_quick_benchmark_run_from_measurement_to_report(tmp_path):
                if r["workers"] == 2 and not r["independent"])
     assert two["total_median"] == pytest.approx(2 * two["per_worker_median"]["median"])
     assert results["machine"]["cores"] and results["command"].startswith("python -m")
+    # Gloo's threads sleep while the program computes: nothing taken from the compute.
+    assert 0 <= results["allreduce"]["background_cpu_cores"]["gloo"] < 0.05

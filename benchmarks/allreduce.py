@@ -20,9 +20,9 @@ Transports, each started by its launcher (benchmarks/allreduce_ranks.py does the
 
 Every size of every transport is measured --repeats times, transports interleaved;
 the median time counts. So does the median CPU a transport's threads take from a
-program that computes (`background_cpu_cores`, in cores; see allreduce_ranks.py). Each row also says
-how it compares with the best transport at that size (busbw / best busbw; the trainer's
-path is compared, never the best).
+program that computes (`background_cpu_cores`, in cores; see allreduce_ranks.py).
+Each row also says how it compares with the best transport at that size (busbw / best
+busbw; the trainer's path is compared, never the best).
 """
 
 from __future__ import annotations

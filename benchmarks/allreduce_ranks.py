@@ -19,10 +19,10 @@ products on its one thread, keeping its core busy), each followed by a small all
 as a step's backward is followed by its gradients' allreduce. It reports the CPU the
 process's other threads took during the bursts, in cores: what the transport's own
 threads take from the computation. Horovod's background thread runs its negotiation
-cycle every HOROVOD_CYCLE_TIME ms whether or not there is anything to reduce (and under
-MPI polls while it waits for the other ranks' cycles, which the allreduces keep in
-step); Gloo's and MPI's threads sleep. benchmarks/predict.py charges this CPU to the
-compute where the workers have no spare core. The busiest rank's figure is reported.
+cycle every HOROVOD_CYCLE_TIME ms whether or not there is anything to reduce, and under
+MPI it polls while it waits for the other ranks' cycles; Gloo's and MPI's threads sleep.
+benchmarks/predict.py charges this CPU to the compute where the workers have no spare
+core. The busiest rank's figure is reported.
 """
 
 from __future__ import annotations

@@ -250,8 +250,7 @@ def mnist_overhead(r: dict) -> str:
         f"Medians of {o['repeats']} run(s) each, in back-to-back pairs (which runs first "
         "alternates); the ratio is the median of the pairs' ratios trainer / plain.",
         table(["setup", "trainer img/s", "plain img/s", "ratio", "pair ratios",
-               "trainer s to 99%",
-               "plain s to 99%", "trainer final", "plain final"], rows),
+               "trainer s to 99%", "plain s to 99%", "trainer final", "plain final"], rows),
         commands("exact commands", o["commands"]),
     ])
 

@@ -19,8 +19,9 @@ Transports, each started by its launcher (benchmarks/allreduce_ranks.py does the
                   comm hook's watched sum over mpi4py), to be compared with the transports
 
 Every size of every transport is measured --repeats times, transports interleaved;
-the median time counts. So does the median CPU a transport's threads take from a
-program that computes (`background_cpu_cores`, in cores; see allreduce_ranks.py).
+the median over repeats of each run's median loop counts (allreduce_ranks.py). So
+does the median CPU a transport's threads take from a program that computes
+(`background_cpu_cores`, in cores; see allreduce_ranks.py).
 Each row also says how it compares with the best transport at that size (busbw / best
 busbw; the trainer's path is compared, never the best).
 """
@@ -34,6 +35,7 @@ import statistics
 import torch
 
 from benchmarks import record
+from benchmarks.allreduce_ranks import LOOPS
 from benchmarks.runs import run_together, shown
 from launch.commands import local_command
 
@@ -106,7 +108,7 @@ def measure(transports: list[str], ranks: int, message_sizes: list[int], budget:
                    default=None)
         for r in at_n.values():
             r["of_best"] = r["busbw_gbps"] / best if best else None
-    return {"ranks": ranks, "budget_seconds": budget, "repeats": repeats,
+    return {"ranks": ranks, "budget_seconds": budget, "repeats": repeats, "loops": LOOPS,
             "commands": commands, "transports": rows,
             "background_cpu_cores": {t: statistics.median(v) for t, v in background.items()}}
 

@@ -10,9 +10,12 @@ Started by benchmarks/allreduce.py, one launcher per transport:
     HOROVOD_CPU_OPERATIONS=MPI mpirun -np 2 python -m benchmarks.allreduce_ranks horovod
 
 Timing, as nccl-tests does it: a float32 sum of ``bytes`` in place; warm-up calls;
-then a timed loop whose length is agreed on by all ranks (about --budget seconds);
-the time per call is the slowest rank's average. Buffers hold zeros, so sums never
-overflow into infinities. Rank 0 prints one JSON line: seconds per call per size.
+then timed loops whose length is agreed on by all ranks; a loop's time per call is the
+slowest rank's average. Unlike nccl-tests, the --budget seconds are split into 5 loops
+and the median loop counts: at 0.1 ms a call, one moment of the VM's CPU taken elsewhere
+would otherwise decide a comparison of two transports (issue 6's target). Buffers hold
+zeros, so sums never overflow into infinities. Rank 0 prints one JSON line: seconds per
+call per size.
 
 Then every rank works as in training for --busy seconds: bursts of computation (matrix
 products on its one thread, keeping its core busy), each followed by a small allreduce,
@@ -31,14 +34,16 @@ import argparse
 import json
 import math
 import os
+import statistics
 import time
 
 import numpy as np
 import torch
 
 WARMUP_CALLS = 3
-MAX_CALLS = 1000
-MIN_CALLS = 5
+LOOPS = 5
+MAX_CALLS = 200  # per block
+MIN_CALLS = 2
 
 
 class TorchDistributed:
@@ -165,15 +170,17 @@ def time_allreduce(transport, nbytes: int, budget: float) -> dict:
     transport.wait()
     # Every rank must make the same number of calls: agree on the slowest first call.
     once = transport.max(time.perf_counter() - start)
-    calls = min(MAX_CALLS, max(MIN_CALLS, math.ceil(budget / max(once, 1e-9))))
-    transport.max(0.0)  # line the ranks up before the clock starts
-    start = time.perf_counter()
-    for _ in range(calls):
-        transport.allreduce(buf)
-    transport.wait()
-    seconds = transport.max((time.perf_counter() - start) / calls)
-    return {"bytes": buf.nbytes,
-            "seconds": seconds, "calls": calls}
+    calls = min(MAX_CALLS, max(MIN_CALLS, math.ceil(budget / LOOPS / max(once, 1e-9))))
+    per_call = []
+    for _ in range(LOOPS):
+        transport.max(0.0)  # line the ranks up before the clock starts
+        start = time.perf_counter()
+        for _ in range(calls):
+            transport.allreduce(buf)
+        transport.wait()
+        per_call.append(transport.max((time.perf_counter() - start) / calls))
+    return {"bytes": buf.nbytes, "seconds": statistics.median(per_call),
+            "seconds_per_loop": per_call, "calls": calls * LOOPS}
 
 
 def background_cpu_cores(transport, seconds: float, burst: float = 0.025) -> float:

@@ -68,7 +68,10 @@ Validation (--validate; tests/test_predict.py checks the 10%):
     memory system here; they log every step), alpha and beta fitted to the allreduce
     measurements of the engine's transport, G and bucket of the engine, c = 1 for the
     trainer's engines, s from the host's cores, the workers' threads and the CPU the
-    engine's transport takes from them.
+    engine's transport takes from them. Two launches of one 2-worker job differ here by
+    10-20%, so that comparison carries that noise; validate_split also compares with
+    2-worker steps measured inside one job against that job's own compute blocks
+    (benchmarks/step_split.py: r1 and jitter from its free blocks, the rest as above).
 """
 
 from __future__ import annotations
@@ -232,25 +235,34 @@ def machine_scenario(results: dict, engine: str, workers: int, batch: int,
                      busy: bool = True) -> Scenario:
     """This machine as measured in a results.json, for ``engine``: r1 and jitter of one
     worker with the host as busy as with ``workers`` workers (r1 of one worker alone:
-    busy=False), alpha and beta fitted to the engine's transport, the model's gradient
-    bytes, the engine's bucket, the trainer's extra collective, and the share of its
-    core each worker keeps from the transport's background threads."""
-    throughput, allreduce = results["throughput"], results["allreduce"]
-    transport = ENGINE_TRANSPORT[engine]
-    latency, bandwidth = fit_alpha_beta(allreduce["transports"][transport], allreduce["ranks"])
+    busy=False), and the rest as in _this_machine."""
+    throughput = results["throughput"]
     run = _row(throughput, reference(engine), batch, workers, True)
     computing = run["step_time"]
-    share = compute_share(results["machine"]["cores"] / workers, run["threads"],
-                          allreduce["background_cpu_cores"][transport])
     img_s = (1000 * batch / computing["mean_ms"] if busy else
              _row(throughput, reference(engine), batch, 1, False)["per_worker_median"]["median"])
+    return _this_machine(results, engine, workers, batch, throughput["gradient_bytes"], img_s,
+                         computing["sd_ms"] / computing["mean_ms"], run["threads"],
+                         f"{throughput['workload']}, {engine}, "
+                         f"{'busy' if busy else 'alone'} compute")
+
+
+def _this_machine(results: dict, engine: str, workers: int, batch: int, gradient: float,
+                  img_s: float, jitter: float, threads: int, what: str) -> Scenario:
+    """alpha and beta fitted to the engine's transport, the engine's bucket, the
+    trainer's extra collective, and the share of its core each worker keeps from the
+    transport's background threads; the rest as given."""
+    allreduce = results["allreduce"]
+    transport = ENGINE_TRANSPORT[engine]
+    latency, bandwidth = fit_alpha_beta(allreduce["transports"][transport], allreduce["ranks"])
+    share = compute_share(results["machine"]["cores"] / workers, threads,
+                          allreduce["background_cpu_cores"][transport])
     return Scenario(
-        f"this machine: {throughput['workload']}, {engine}, 1 core per worker", batch, img_s,
-        throughput["gradient_bytes"], BUCKET_BYTES[engine], latency, bandwidth,
-        jitter=computing["sd_ms"] / computing["mean_ms"],
-        collectives=0 if engine == "plain" else TRAINER_COLLECTIVES_PER_STEP,
+        f"this machine: {what}, 1 core per worker", batch, img_s,
+        gradient, BUCKET_BYTES[engine], latency, bandwidth,
+        jitter=jitter, collectives=0 if engine == "plain" else TRAINER_COLLECTIVES_PER_STEP,
         compute_share=share, samples=60_000, epochs=2,
-        source=f"{'busy' if busy else 'alone'} compute, {transport} allreduce fit")
+        source=f"{what}, {transport} allreduce fit")
 
 
 def validate_machine(results: dict) -> list[dict]:
@@ -276,6 +288,31 @@ def validate_machine(results: dict) -> list[dict]:
                      "measured_communication_ms": row.get("communication_ms"),
                      "latency_us": busy.latency_s * 1e6, "bandwidth_gbps": busy.bandwidth / 1e9,
                      "source": busy.source})
+    return rows
+
+
+def validate_split(results: dict) -> list[dict]:
+    """Predicted against measured communication and img/s of every row of the
+    step_split section: the 2-worker step measured inside one job, against its own
+    compute (benchmarks/step_split.py), so that launch-to-launch noise is not in it."""
+    rows = []
+    split = results["step_split"]
+    for row in split["rows"]:
+        engine, n, batch = row["engine"], split["workers"], row["batch"]
+        if ENGINE_TRANSPORT[engine] not in results["allreduce"]["transports"]:
+            continue
+        s = _this_machine(results, engine, n, batch, split["gradient_bytes"],
+                          1000 * batch / row["free_ms"],
+                          row["free_sd_ms"] / row["free_ms"], 1,
+                          f"{engine}'s path in one job, batch {batch}")
+        p = predict(s, n)
+        measured = n * batch / (row["free_ms"] + row["communication_ms"]) * 1000
+        rows.append({"case": f"one job, {row['transport']}, batch {batch}", "engine": engine,
+                     "nodes": n, "batch": batch, "what": "img_s", "published": measured,
+                     "predicted": p["img_s"], "error": p["img_s"] / measured - 1,
+                     "added_ms": p["wait_ms"] + p["communication_ms"],
+                     "measured_added_ms": row["communication_ms"],
+                     "compute_share": s.compute_share, "jitter": s.jitter, "source": s.source})
     return rows
 
 

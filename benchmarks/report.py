@@ -171,9 +171,10 @@ def allreduce(r: dict) -> str:
 
     return "\n\n".join([
         "## Allreduce",
-        f"{a['ranks']} ranks, float32 sum in place; median of {a['repeats']} repeat(s) of "
-        f"about {a['budget_seconds']} s of calls per size. algbw = size / time, busbw = algbw "
-        f"x 2(n-1)/n (nccl-tests), in GB/s (10^9 bytes).",
+        f"{a['ranks']} ranks, float32 sum in place; median of {a['repeats']} repeat(s), each "
+        f"the median of {a['loops']} timed loops sharing about {a['budget_seconds']} s of calls "
+        "per size. algbw = size / time, busbw = algbw x 2(n-1)/n (nccl-tests), in GB/s "
+        "(10^9 bytes).",
         "Bus bandwidth, GB/s:\n\n" + table(["size", *names], cells("busbw_gbps")),
         "Algorithm bandwidth, GB/s:\n\n" + table(["size", *names], cells("algbw_gbps")),
         "![busbw against size](allreduce.png)",
@@ -232,6 +233,41 @@ def prediction(r: dict) -> str:
         table(["engine", "batch", "measured img/s", "predicted", "error", "jitter",
                "core kept", "wait ms", "comm ms", "measured comm ms", "predicted, compute alone",
                "alpha us", "beta GB/s"], machine) if machine else "",
+        split_prediction(p["split"]) if "split" in p else "",
+    ])
+
+
+def split_prediction(rows: list[dict]) -> str:
+    return "\n\n".join([
+        "Against the 2-worker steps measured inside one job (Step split, below): the same "
+        "model, from that job's own compute blocks (mean and jitter), so that two launches' "
+        "difference is not in the comparison. added = what communication adds to a step: "
+        "predicted wait + comm, measured sync - free.",
+        table(["engine", "batch", "measured img/s", "predicted", "error", "jitter",
+               "added ms", "measured added ms"],
+              [[row["engine"], str(row["batch"]), rate(row["published"]),
+                rate(row["predicted"]), f"{100 * row['error']:+.1f}%", percent(row["jitter"]),
+                millis(row["added_ms"]), millis(row["measured_added_ms"])] for row in rows]),
+    ])
+
+
+def step_split(r: dict) -> str:
+    s = r["step_split"]
+    rows = [[row["transport"], str(row["batch"]), *(millis(row[f"{m}_ms"]) for m in
+                                                    ("free", "aligned", "sync")),
+             millis(row["wait_and_vote_ms"]), millis(row["gradient_allreduce_ms"]),
+             millis(row["communication_ms"]), millis(row["free_sd_ms"])]
+            for row in s["rows"]]
+    return "\n\n".join([
+        f"## Step split, {s['workers']} workers inside one job",
+        f"benchmarks/step_split.py: the plain loop's network under DDP; each job alternates "
+        f"blocks of {s['block']} steps of three kinds, {s['cycles']} cycles: free (no "
+        "communication), aligned (the trainer's per-step vote only), sync (gradients too). "
+        "ms per step, the slower rank's, medians over cycles; the differences are medians "
+        "of differences within a cycle. free sd = the spread of a free step.",
+        table(["transport", "batch", "free ms", "aligned ms", "sync ms", "wait + vote ms",
+               "gradient allreduce ms", "sync - free ms", "free sd ms"], rows),
+        commands("exact commands", list(s["commands"].values())),
     ])
 
 
@@ -256,7 +292,8 @@ def mnist_overhead(r: dict) -> str:
 
 
 SECTIONS = [("targets", targets), ("throughput", throughput), ("mnist_engines", mnist_engines),
-            ("allreduce", allreduce), ("batch_sizes", batch_sizes), ("prediction", prediction),
+            ("allreduce", allreduce), ("step_split", step_split), ("batch_sizes", batch_sizes),
+            ("prediction", prediction),
             ("mnist_overhead", mnist_overhead)]
 
 

@@ -1,8 +1,9 @@
 """`make bench`: every benchmark into one results folder; `make report` then renders it.
 
     make bench QUICK=1      # a few minutes: 1 repeat, short intervals, sizes x4 apart
-    make bench              # the full run: 3 repeats, batch 32/64/128, sizes x2 apart,
-                            # batch-size table to 256 and ResNet-50 (about 45 minutes)
+    make bench              # the full run: 3 repeats (allreduces 5), batch 32/64/128,
+                            # sizes x2 apart, batch-size table to 256 and ResNet-50
+                            # (about 45 minutes)
     make report             # benchmarks/results/<newest>/report.md, *.png
     python -m benchmarks.suite --quick --name reference --engines ddp plain
 
@@ -11,10 +12,13 @@ In order, into benchmarks/results/<time>-bench[-quick]/results.json:
     throughput      benchmarks/throughput.py on MNIST (1 and 2 workers, every engine
                     this host has, the plain DDP loop; --model: synthetic data instead)
     allreduce       benchmarks/allreduce.py, 1 KiB..64 MiB and the model's gradient size
+    step_split      benchmarks/step_split.py: compute, waiting and allreduce of a 2-worker
+                    step, measured inside one job (Gloo, and MPI through the trainer's hook)
     batch_sizes     benchmarks/batch_sizes.py
     mnist_engines   benchmarks/mnist_engines.py's table, from the two sweeps above
     prediction      benchmarks/predict.py: the published figures, and this machine's
                     2-worker figures predicted from its 1-worker and allreduce figures
+                    (throughput's, and step_split's from its own compute)
     targets         issue 6's targets, computed from the above
 
 `python -m benchmarks.suite --derive RUN` recomputes the last three from RUN's
@@ -31,12 +35,23 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks import allreduce, batch_sizes, mnist_engines, predict, record, throughput
+from benchmarks import (
+    allreduce,
+    batch_sizes,
+    mnist_engines,
+    predict,
+    record,
+    step_split,
+    throughput,
+)
 from benchmarks.runs import Timing, available_engines
 
-QUICK = {"repeats": 1, "timing": Timing(log_every=5, warmup_steps=10, intervals=5),
+# Allreduce runs are short and their sub-millisecond timings the noisiest: more repeats.
+QUICK = {"repeats": 1, "allreduce_repeats": 1, "split": {"cycles": 3, "block": 5},
+         "timing": Timing(log_every=5, warmup_steps=10, intervals=5),
          "batches": [64], "size_factor": 4, "budget": 0.1}
-FULL = {"repeats": 3, "timing": Timing(log_every=10, warmup_steps=20, intervals=8),
+FULL = {"repeats": 3, "allreduce_repeats": 5, "split": {"cycles": 12, "block": 10},
+        "timing": Timing(log_every=10, warmup_steps=20, intervals=8),
         "batches": [32, 64, 128], "size_factor": 2, "budget": 0.3}
 TARGET_OF_BEST = 0.8  # the gradient allreduce path against the host's best transport
 
@@ -85,7 +100,11 @@ def measure(args: argparse.Namespace, folder: Path) -> dict:
     sizes = sorted({*allreduce.sizes(factor=mode["size_factor"]), gradient})
     results["allreduce"] = allreduce.measure(args.transports or allreduce.available(),
                                              mnist_engines.WORKERS, sizes, mode["budget"],
-                                             repeats)
+                                             args.repeats or mode["allreduce_repeats"])
+    print("== step split", flush=True)
+    results["step_split"] = step_split.measure(
+        [t for t in step_split.TRANSPORTS if t in (args.transports or allreduce.available())],
+        mode["batches"], **mode["split"])
     print("== batch sizes", flush=True)
     groups = batch_sizes.groups_of(full=not args.quick)
     if args.table_models:
@@ -104,7 +123,8 @@ def derive(results: dict) -> dict:
     results["mnist_engines"] = mnist_engines.summarize(results["throughput"],
                                                        results["allreduce"], 64)
     results["prediction"] = {"published": predict.validate_published(),
-                             "machine": predict.validate_machine(results)}
+                             "machine": predict.validate_machine(results),
+                             "split": predict.validate_split(results)}
     results["targets"] = targets(results)
     return results
 
@@ -113,7 +133,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     record.add_name_argument(p, "bench[-quick]")
-    p.add_argument("--repeats", type=int, help="default: 1 quick, 3 full")
+    p.add_argument("--repeats", type=int,
+                   help="of every run (default: 1 quick; 3 full, 5 for the allreduces)")
     p.add_argument("--engines", nargs="+", default=None, choices=throughput.ALL_ENGINES)
     throughput.add_workload_arguments(p)
     p.add_argument("--transports", nargs="+", default=None, choices=list(allreduce.TRANSPORTS))

@@ -111,7 +111,28 @@ def check_report(folder: Path) -> int:
             expect(row[str(j["batch"])], j["images_per_second"]["mean"])
             expect(row[str(j["batch"])], j["images_per_second"]["ci95"], 1)
 
-    published, machine = section(parsed, "Predictor")
+    published, machine, *split = section(parsed, "Predictor")
+    assert len(split) == ("split" in results["prediction"])
+    for rows in split:
+        rows_json = results["prediction"]["split"]
+        assert len(rows) == len(rows_json)
+        for row, j in zip(rows, rows_json, strict=True):
+            assert (row["engine"], int(row["batch"])) == (j["engine"], j["batch"])
+            expect(row["measured img/s"], j["published"])
+            expect(row["predicted"], j["predicted"])
+            expect(row["error"], 100 * j["error"])
+            expect(row["added ms"], j["added_ms"])
+            expect(row["measured added ms"], j["measured_added_ms"])
+    if "step_split" in results:
+        (rows,) = section(parsed, "Step split")
+        assert len(rows) == len(results["step_split"]["rows"])
+        for row, j in zip(rows, results["step_split"]["rows"], strict=True):
+            for header, key in (("free ms", "free_ms"), ("aligned ms", "aligned_ms"),
+                                ("sync ms", "sync_ms"), ("wait + vote ms", "wait_and_vote_ms"),
+                                ("gradient allreduce ms", "gradient_allreduce_ms"),
+                                ("sync - free ms", "communication_ms"),
+                                ("free sd ms", "free_sd_ms")):
+                expect(row[header], j[key])
     for rows, key, rows_json in ((published, "published", results["prediction"]["published"]),
                                  (machine, "measured img/s", results["prediction"]["machine"])):
         assert len(rows) == len(rows_json)
@@ -181,3 +202,12 @@ def test_a_quick_benchmark_run_from_measurement_to_report(tmp_path):
     assert results["machine"]["cores"] and results["command"].startswith("python -m")
     # Gloo's threads sleep while the program computes: nothing taken from the compute.
     assert 0 <= results["allreduce"]["background_cpu_cores"]["gloo"] < 0.05
+    # The step split: one Gloo job; its figures are consistent, the predictor compares.
+    (split,) = results["step_split"]["rows"]
+    assert split["transport"] == "gloo" and split["batch"] == 64
+    assert all(len(v) == 3 for v in split["per_block_ms"].values())
+    assert split["free_ms"] > split["free_sd_ms"] > 0
+    assert results["step_split"]["gradient_bytes"] == results["throughput"]["gradient_bytes"]
+    (predicted,) = results["prediction"]["split"]
+    assert predicted["published"] == pytest.approx(
+        2 * 64 * 1000 / (split["free_ms"] + split["communication_ms"]))

@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from trainer.engines import Engine
-from trainer.engines.mpi import MPISums
+from trainer.engines.mpi import MPISums, sum_hook
 from trainer.exits import exit_peer_lost
 from trainer.runtime import Launch, outward_address, slurm_master_addr
 
@@ -125,15 +125,6 @@ def _horovodrun_rendezvous(launch: Launch, timeout: timedelta) -> dist.Store:
             time.sleep(0.1)  # rank 0 has not posted yet
 
 
-def _mpi_sum_hook(sums: MPISums, bucket):  # DDP checks no annotation here
-    """A DDP communication hook: the sum of a gradient bucket (dist.GradBucket) over the
-    ranks, by MPI, which is the average because every rank's loss was divided by the
-    world size (loss_scale); returns a completed Future of the bucket's tensor."""
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(sums.sum_(bucket.buffer()))
-    return future
-
-
 def backend_of(cfg: DictConfig, device: torch.device) -> str:
     """The transport engine.backend names: auto is NCCL on GPUs, Gloo on CPUs."""
     if cfg.backend == "auto":
@@ -209,7 +200,7 @@ class DDPEngine(Engine):
             gradient_as_bucket_view=True,
         )
         if self.backend == "mpi":
-            ddp.register_comm_hook(self._mpi_sums, _mpi_sum_hook)
+            ddp.register_comm_hook(self._mpi_sums, sum_hook)
         self._broadcast_optimizer_state(optimizer)
         return ddp, optimizer
 

@@ -1,8 +1,8 @@
 """engine.backend=mpi's sums: blocking MPI allreduces, watched against engine.timeout_s.
 
     sums = MPISums(MPI.COMM_WORLD, timeout_s, on_timeout)
-    sums.sum_(bucket)            the DDP comm hook, once per gradient bucket
-    sums.sum_(votes)             the loop's small sums (preemption vote, metrics)
+    ddp.register_comm_hook(sums, sum_hook)    DDP sums each gradient bucket with it
+    sums.sum_(votes)                          the loop's small sums (preemption vote, metrics)
 
 The buckets are summed, not averaged: each rank's loss was already divided by the world
 size (Engine.loss_scale), which is one scalar division instead of one per gradient
@@ -63,3 +63,13 @@ class MPISums:
                 self._on_timeout(f"MPI allreduce of {call[1]} values: timed out after "
                                  f"{self.timeout_s:g} s (engine.timeout_s)")
                 return
+
+
+def sum_hook(sums: MPISums, bucket):  # DDP checks no annotation here
+    """A DDP communication hook: the sum of a gradient bucket (dist.GradBucket) over the
+    ranks, by MPI, which is the average because every rank's loss was divided by the
+    world size (the engine's loss_scale); returns a completed Future of the bucket's
+    tensor."""
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(sums.sum_(bucket.buffer()))
+    return future

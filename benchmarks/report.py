@@ -92,7 +92,9 @@ def targets(r: dict) -> str:
     rows = []
     if "efficiency" in t:
         e = t["efficiency"]
-        rows.append(["2-worker efficiency of the trainer >= the plain DDP loop's",
+        rows.append(["2-worker efficiency of the trainer >= the plain DDP loop's (median "
+                     "of every run against its own repeat's 1-worker run, batch "
+                     + "/".join(map(str, e["batches"])) + ")",
                      " / ".join(f"{k} {percent(v)}" for k, v in e["by_engine"].items()),
                      f"met ({e['engine']})" if e["met"] else "**missed**"])
     a = t["allreduce_path"]

@@ -137,6 +137,23 @@ def summarize(runs: dict[Setup, list[Run]], workload: Workload, timing: Timing) 
             "rows": rows, "runs": [r.to_json() for rs in runs.values() for r in rs]}
 
 
+def paired_efficiencies(section: dict) -> dict[str, list[float]]:
+    """Per engine, the efficiency of every multi-worker run against its own repeat's
+    1-worker run (adjacent in time, alike in load), pooled over batch sizes: from the
+    runs of a throughput section, so it can be recomputed from results.json."""
+    runs: dict[tuple, list[dict]] = {}
+    for r in section["runs"]:  # in repeat order within each configuration
+        runs.setdefault((r["engine"], r["workers"], r["batch"], r["independent"]), []).append(r)
+    out: dict[str, list[float]] = {}
+    for (engine, n, batch, independent), many in runs.items():
+        one = runs.get((reference(engine), 1, batch, False))
+        if n > 1 and not independent and one:
+            out.setdefault(engine, []).extend(
+                statistics.fmean(r["per_worker"]) / statistics.fmean(r1["per_worker"])
+                for r, r1 in zip(many, one, strict=True))
+    return out
+
+
 def measure_sweep(workload: Workload, engines: list[str], workers: list[int],
                   batches: list[int], threads: int, timing: Timing, repeats: int,
                   folder: Path) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -211,3 +212,21 @@ def test_a_quick_benchmark_run_from_measurement_to_report(tmp_path):
     (predicted,) = results["prediction"]["split"]
     assert predicted["published"] == pytest.approx(
         2 * 64 * 1000 / (split["free_ms"] + split["communication_ms"]))
+
+
+@pytest.mark.slow
+def test_the_step_split_over_mpi_goes_through_the_trainers_comm_hook(tmp_path):
+    """engine=ddp engine.backend=mpi's path under a real mpirun: DDP's buckets summed by
+    trainer.engines.mpi's hook, the vote by MPISums; every mode measured every cycle."""
+    run = tmp_path / "split"
+    subprocess.run([sys.executable, "-m", "benchmarks.step_split", "--transports", "mpi",
+                    "--batch-sizes", "16", "--cycles", "2", "--block", "3", "--name", str(run)],
+                   cwd=REPO, check=True, capture_output=True, timeout=300)
+    split = json.loads((run / "results.json").read_text())["step_split"]
+    (row,) = split["rows"]
+    assert (row["transport"], row["engine"], row["batch"]) == ("mpi", "ddp-mpi", 16)
+    assert "mpirun" in split["commands"]["mpi"]
+    blocks = row["per_block_ms"]
+    assert {m: len(v) for m, v in blocks.items()} == {"sync": 2, "aligned": 2, "free": 2}
+    assert row["communication_ms"] == pytest.approx(
+        statistics.median([a - b for a, b in zip(blocks["sync"], blocks["free"], strict=True)]))

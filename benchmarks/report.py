@@ -241,7 +241,7 @@ def prediction(r: dict) -> str:
 
 def split_prediction(rows: list[dict]) -> str:
     return "\n\n".join([
-        "Against the 2-worker steps measured inside one job (Step split, below): the same "
+        "Against the 2-worker steps measured inside one job (Step split, above): the same "
         "model, from that job's own compute blocks (mean and jitter), so that two launches' "
         "difference is not in the comparison. added = what communication adds to a step: "
         "predicted wait + comm, measured sync - free.",

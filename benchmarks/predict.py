@@ -77,6 +77,7 @@ Validation (--validate; tests/test_predict.py checks the 10%):
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -129,6 +130,7 @@ def ring_allreduce_seconds(nbytes: float, ranks: int, latency_s: float, bandwidt
     return messages * 2 * (ranks - 1) * latency_s + 2 * (ranks - 1) / ranks * nbytes / bandwidth
 
 
+@functools.cache  # predict() asks for it once per node count: 256 times for a table
 def expected_max_of_normals(n: int) -> float:
     """E[max of n independent standard normal draws]: how many standard deviations the
     slowest of n workers is behind the mean (numerical integration)."""

@@ -42,7 +42,7 @@ import torch
 
 WARMUP_CALLS = 3
 LOOPS = 5
-MAX_CALLS = 200  # per block
+MAX_CALLS = 200  # per loop
 MIN_CALLS = 2
 
 

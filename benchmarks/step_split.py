@@ -37,6 +37,7 @@ import gc
 import json
 import statistics
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,10 @@ from benchmarks import record
 from benchmarks.plain_loop import network
 from benchmarks.runs import run_together, shown
 from launch.commands import local_command
+from trainer.config import EngineConfig
+from trainer.engines.ddp import rendezvous
+from trainer.exits import exit_peer_lost
+from trainer.runtime import detect
 
 MODES = ("sync", "aligned", "free")
 TRANSPORTS = {"gloo": "torchrun", "mpi": "mpirun"}  # and the launcher that starts it
@@ -59,32 +64,23 @@ class Job:
     """This rank's part: the plain loop's network under DDP over ``transport``."""
 
     def __init__(self, transport: str) -> None:
-        self.loss_scale = 1.0
+        # The trainer's own rendezvous (torchrun's store, or one rank 0 serves under
+        # mpirun) and collective timeout. DDP needs a Gloo group even when a hook sums.
+        launch = detect()
+        timeout = timedelta(seconds=EngineConfig.timeout_s)
+        dist.init_process_group("gloo", store=rendezvous(launch, timeout), rank=launch.rank,
+                                world_size=launch.world_size, timeout=timeout)
+        self.model = DistributedDataParallel(network(), gradient_as_bucket_view=True)
+        self.vote, self.loss_scale = dist.all_reduce, 1.0
         if transport == "mpi":
             from mpi4py import MPI
 
-            from trainer.config import EngineConfig
             from trainer.engines.mpi import MPISums, sum_hook
-            from trainer.exits import exit_peer_lost
 
-            # DDP needs a process group even when a hook does the sums: Gloo, through a
-            # store whose port rank 0 tells the others over MPI.
-            comm = MPI.COMM_WORLD
-            store = dist.TCPStore("127.0.0.1", 0, comm.size, True, wait_for_workers=False) \
-                if comm.rank == 0 else None
-            port = comm.bcast(store.port if store else None)
-            store = store or dist.TCPStore("127.0.0.1", port, comm.size, False)
-            dist.init_process_group("gloo", store=store, rank=comm.rank,
-                                    world_size=comm.size)
-            sums = MPISums(comm, EngineConfig.timeout_s, exit_peer_lost)
-            self.model = DistributedDataParallel(network(), gradient_as_bucket_view=True)
+            sums = MPISums(MPI.COMM_WORLD, EngineConfig.timeout_s, exit_peer_lost)
             self.model.register_comm_hook(sums, sum_hook)
             self.vote = sums.sum_
-            self.loss_scale = 1 / comm.size  # the hook sums: this makes it the mean
-        else:
-            dist.init_process_group("gloo")
-            self.model = DistributedDataParallel(network(), gradient_as_bucket_view=True)
-            self.vote = dist.all_reduce
+            self.loss_scale = 1 / launch.world_size  # the hook sums: this makes it the mean
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9,
                                          nesterov=True, weight_decay=5e-4)
         self.tick = torch.zeros(1)

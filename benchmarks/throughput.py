@@ -124,8 +124,8 @@ def summarize(runs: dict[Setup, list[Run]], workload: Workload, timing: Timing) 
         if n > 1 and one in runs:  # independent runs too: the ceiling set by the host
             row |= scaling(row["total_median"], median_range(means(one))["median"], n)
             # A run against its own repeat's 1-worker run: adjacent in time, alike in load.
-            paired = [m / m1 for m, m1 in zip(means(setup), means(one), strict=True)]
-            row["efficiency_per_repeat"] = median_range(paired)
+            row["efficiency_per_repeat"] = median_range(per_repeat_efficiency(
+                [r.per_worker for r in setup_runs], [r.per_worker for r in runs[one]]))
             alone = Setup(reference(setup.engine), n, setup.batch, setup.threads, True)
             if alone in runs and not setup.independent:
                 compute_ms = step_times(runs[alone])["mean_ms"]
@@ -137,10 +137,17 @@ def summarize(runs: dict[Setup, list[Run]], workload: Workload, timing: Timing) 
             "rows": rows, "runs": [r.to_json() for rs in runs.values() for r in rs]}
 
 
+def per_repeat_efficiency(many: list[list[float]], ones: list[list[float]]) -> list[float]:
+    """Each repeat's N-worker run against the same repeat's 1-worker run: the ratio of
+    their mean img/s per worker (adjacent in time, alike in load)."""
+    return [statistics.fmean(n) / statistics.fmean(one)
+            for n, one in zip(many, ones, strict=True)]
+
+
 def paired_efficiencies(section: dict) -> dict[str, list[float]]:
-    """Per engine, the efficiency of every multi-worker run against its own repeat's
-    1-worker run (adjacent in time, alike in load), pooled over batch sizes: from the
-    runs of a throughput section, so it can be recomputed from results.json."""
+    """Per engine, per_repeat_efficiency of every multi-worker configuration, pooled over
+    batch sizes: from the runs of a throughput section, so it can be recomputed from
+    results.json."""
     runs: dict[tuple, list[dict]] = {}
     for r in section["runs"]:  # in repeat order within each configuration
         runs.setdefault((r["engine"], r["workers"], r["batch"], r["independent"]), []).append(r)
@@ -148,9 +155,8 @@ def paired_efficiencies(section: dict) -> dict[str, list[float]]:
     for (engine, n, batch, independent), many in runs.items():
         one = runs.get((reference(engine), 1, batch, False))
         if n > 1 and not independent and one:
-            out.setdefault(engine, []).extend(
-                statistics.fmean(r["per_worker"]) / statistics.fmean(r1["per_worker"])
-                for r, r1 in zip(many, one, strict=True))
+            out.setdefault(engine, []).extend(per_repeat_efficiency(
+                [r["per_worker"] for r in many], [r["per_worker"] for r in one]))
     return out
 
 

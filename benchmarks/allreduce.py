@@ -29,14 +29,13 @@ busbw; the trainer's path is compared, never the best).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
 
 from benchmarks import record
 from benchmarks.allreduce_ranks import LOOPS
-from benchmarks.runs import run_together, shown
+from benchmarks.runs import json_line, run_together, shown
 from launch.commands import local_command
 
 TRANSPORTS = {  # name: (launcher, what allreduce_ranks runs, environment)
@@ -78,9 +77,7 @@ def _run(transport: str, ranks: int, message_sizes: list[int],
                                               "--budget", str(budget)],
                             module="benchmarks.allreduce_ranks")
     (stdout,) = run_together([command], env)
-    # horovodrun prefixes every line of rank 0 with "[0]<stdout>:".
-    line = next(x for x in reversed(stdout.splitlines()) if '"transport"' in x)
-    return json.loads(line[line.index("{"):]), shown(command, env)
+    return json_line(stdout, "transport"), shown(command, env)
 
 
 def measure(transports: list[str], ranks: int, message_sizes: list[int], budget: float,

@@ -253,21 +253,34 @@ def split_prediction(rows: list[dict]) -> str:
     ])
 
 
+def measured_apart(section: dict) -> str:
+    """A section measured again after a change of method, in a run of its own (its
+    results.json is that run's), says so: its time, load and code are not the header's."""
+    apart = section.get("measured_apart")
+    if apart is None:
+        return ""
+    return (f" Measured apart from the rest of this run, {apart['started']} UTC, load average "
+            f"{apart['load_average']:.2f}, commit {apart['commit']}: "
+            f"`{apart['command']}` ({apart['why']}).")
+
+
 def step_split(r: dict) -> str:
     s = r["step_split"]
-    rows = [[row["transport"], str(row["batch"]), *(millis(row[f"{m}_ms"]) for m in
+    rows = [[row["engine"], str(row["batch"]), *(millis(row[f"{m}_ms"]) for m in
                                                     ("free", "aligned", "sync")),
              millis(row["wait_and_vote_ms"]), millis(row["gradient_allreduce_ms"]),
              millis(row["communication_ms"]), millis(row["free_sd_ms"])]
             for row in s["rows"]]
     return "\n\n".join([
         f"## Step split, {s['workers']} workers inside one job",
-        f"benchmarks/step_split.py: the plain loop's network under DDP; each job alternates "
-        f"blocks of {s['block']} steps of three kinds, {s['cycles']} cycles: free (no "
-        "communication), aligned (the trainer's per-step vote only), sync (gradients too). "
+        f"benchmarks/step_split.py: the plain loop's network under the trainer's engines; "
+        f"each job alternates blocks of {s['block']} steps of three kinds, {s['cycles']} "
+        "cycles: free (an unwrapped copy, no communication), aligned (the copy and the "
+        "trainer's per-step vote), sync (the engine's model: gradients too). "
         "ms per step, the slower rank's, medians over cycles; the differences are medians "
-        "of differences within a cycle. free sd = the spread of a free step.",
-        table(["transport", "batch", "free ms", "aligned ms", "sync ms", "wait + vote ms",
+        "of differences within a cycle. free sd = the spread of a free step."
+        + measured_apart(s),
+        table(["engine", "batch", "free ms", "aligned ms", "sync ms", "wait + vote ms",
                "gradient allreduce ms", "sync - free ms", "free sd ms"], rows),
         commands("exact commands", list(s["commands"].values())),
     ])

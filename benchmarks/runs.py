@@ -182,6 +182,13 @@ def run_together(commands: list[list[str]], env: dict[str, str] | None = None,
     return [out for out, _ in outputs]
 
 
+def json_line(stdout: str, key: str) -> dict:
+    """The last JSON object of ``stdout`` that has ``key``: what a rank-side program
+    printed, under horovodrun too, which prefixes rank 0's lines with "[0]<stdout>:"."""
+    line = next(x for x in reversed(stdout.splitlines()) if f'"{key}"' in x)
+    return json.loads(line[line.index("{"):])
+
+
 def trainer_metrics(run_dir: Path) -> list[dict]:
     """The records of a trainer run's metrics.jsonl. Its checkpoints and TensorBoard files
     are deleted: they are not measurements, and a results folder stays small."""

@@ -13,7 +13,7 @@ In order, into benchmarks/results/<time>-bench[-quick]/results.json:
                     this host has, the plain DDP loop; --model: synthetic data instead)
     allreduce       benchmarks/allreduce.py, 1 KiB..64 MiB and the model's gradient size
     step_split      benchmarks/step_split.py: compute, waiting and allreduce of a 2-worker
-                    step, measured inside one job (Gloo, and MPI through the trainer's hook)
+                    step, measured inside one job, for each trainer engine measured above
     batch_sizes     benchmarks/batch_sizes.py
     mnist_engines   benchmarks/mnist_engines.py's table, from the two sweeps above
     prediction      benchmarks/predict.py: the published figures, and this machine's
@@ -108,8 +108,11 @@ def measure(args: argparse.Namespace, folder: Path) -> dict:
                                              mnist_engines.WORKERS, sizes, mode["budget"],
                                              args.repeats or mode["allreduce_repeats"])
     print("== step split", flush=True)
+    # The engines measured above whose allreduce was measured too: the predictor needs both.
+    trained = {r["engine"] for r in results["throughput"]["rows"]}
     results["step_split"] = step_split.measure(
-        [t for t in step_split.TRANSPORTS if t in (args.transports or allreduce.available())],
+        [e for e in step_split.ENGINES if e in trained
+         and allreduce.ENGINE_TRANSPORT[e] in results["allreduce"]["transports"]],
         mode["batches"], **mode["split"])
     print("== batch sizes", flush=True)
     groups = batch_sizes.groups_of(full=not args.quick)

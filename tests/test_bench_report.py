@@ -205,7 +205,7 @@ def test_a_quick_benchmark_run_from_measurement_to_report(tmp_path):
     assert 0 <= results["allreduce"]["background_cpu_cores"]["gloo"] < 0.05
     # The step split: one Gloo job; its figures are consistent, the predictor compares.
     (split,) = results["step_split"]["rows"]
-    assert split["transport"] == "gloo" and split["batch"] == 64
+    assert split["engine"] == "ddp" and split["batch"] == 64
     assert all(len(v) == 3 for v in split["per_block_ms"].values())
     assert split["free_ms"] > split["free_sd_ms"] > 0
     assert results["step_split"]["gradient_bytes"] == results["throughput"]["gradient_bytes"]
@@ -215,18 +215,25 @@ def test_a_quick_benchmark_run_from_measurement_to_report(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_step_split_over_mpi_goes_through_the_trainers_comm_hook(tmp_path):
-    """engine=ddp engine.backend=mpi's path under a real mpirun: DDP's buckets summed by
-    trainer.engines.mpi's hook, the vote by MPISums; every mode measured every cycle."""
+def test_the_step_split_runs_the_trainers_engines_under_their_launchers(tmp_path):
+    """engine=ddp engine.backend=mpi under a real mpirun (DDP's buckets summed by
+    trainer.engines.mpi's hook) and engine=horovod under a real horovodrun, whose
+    prefixed output is read back; every mode measured every cycle."""
     run = tmp_path / "split"
-    subprocess.run([sys.executable, "-m", "benchmarks.step_split", "--transports", "mpi",
-                    "--batch-sizes", "16", "--cycles", "2", "--block", "3", "--name", str(run)],
-                   cwd=REPO, check=True, capture_output=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.step_split", "--engines",
+                           "ddp-mpi", "horovod-gloo", "--batch-sizes", "16", "--cycles", "2",
+                           "--block", "3", "--name", str(run)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     split = json.loads((run / "results.json").read_text())["step_split"]
-    (row,) = split["rows"]
-    assert (row["transport"], row["engine"], row["batch"]) == ("mpi", "ddp-mpi", 16)
-    assert "mpirun" in split["commands"]["mpi"]
-    blocks = row["per_block_ms"]
-    assert {m: len(v) for m, v in blocks.items()} == {"sync": 2, "aligned": 2, "free": 2}
-    assert row["communication_ms"] == pytest.approx(
-        statistics.median([a - b for a, b in zip(blocks["sync"], blocks["free"], strict=True)]))
+    assert [(row["engine"], row["batch"]) for row in split["rows"]] == [
+        ("ddp-mpi", 16), ("horovod-gloo", 16)]
+    launchers = {e: c.split()[:2] for e, c in split["commands"].items()}
+    assert launchers == {"ddp-mpi": [".venv/bin/mpirun", "-np"],
+                         "horovod-gloo": [".venv/bin/horovodrun", "--gloo"]}
+    for row in split["rows"]:
+        blocks = row["per_block_ms"]
+        assert {m: len(v) for m, v in blocks.items()} == {"sync": 2, "aligned": 2, "free": 2}
+        assert row["communication_ms"] == pytest.approx(statistics.median(
+            [a - b for a, b in zip(blocks["sync"], blocks["free"], strict=True)]))
+        assert row["free_ms"] > 0 and row["free_sd_ms"] >= 0

@@ -3,6 +3,8 @@ reproduce within 10% (benchmarks/predict.py documents the parameters and sources
 
 from __future__ import annotations
 
+import copy
+import json
 import math
 import subprocess
 import sys
@@ -20,7 +22,9 @@ from benchmarks.predict import (
     predict,
     ring_allreduce_seconds,
     step_seconds,
+    validate_machine,
     validate_published,
+    validate_split,
 )
 from tests.conftest import REPO
 
@@ -92,6 +96,21 @@ def test_background_threads_slow_the_compute_only_where_no_core_is_spare():
     assert step_seconds(shared, 2)["communication"] == step_seconds(s, 2)["communication"]
     # Efficiency stays against one worker computing alone, so the lost share shows in it.
     assert predict(shared, 1)["efficiency"] == pytest.approx(0.84)
+
+
+def test_the_engines_threads_are_charged_to_launches_apart_not_to_one_job():
+    """Separate launches take r1 from single workers that ran no engine: the engine's
+    background CPU is charged to their compute. step_split's free blocks ran beside the
+    engine's threads, so their r1 has paid for it already."""
+    results = json.loads((REPO / "benchmarks/results/reference/results.json").read_text())
+    busier = copy.deepcopy(results)
+    for transport in busier["allreduce"]["background_cpu_cores"]:
+        busier["allreduce"]["background_cpu_cores"][transport] = 0.5
+    assert validate_split(results) and validate_split(busier) == validate_split(results)
+    machine = validate_machine(results)
+    assert machine
+    for before, after in zip(machine, validate_machine(busier), strict=True):
+        assert after["predicted"] < before["predicted"]
 
 
 def test_more_nodes_are_faster_but_less_efficient():

@@ -23,11 +23,12 @@ from tests.conftest import QUICK, REPO, Run, assert_close, run_trainer
 from tests.imds import MetadataStub
 from trainer.checkpoint import Checkpoints, find_resume
 
-# 6400 synthetic samples, 2 workers x 32: 100 steps per epoch, 2 epochs; long enough
+# 4800 synthetic samples, 2 workers x 32: 75 steps per epoch, 2 epochs; long enough
 # for a notice to arrive mid-run, short enough for the suite.
-RUN = ["dataset=synthetic", "dataset.shape=[1,28,28]", "dataset.train_size=6400",
+RUN = ["dataset=synthetic", "dataset.shape=[1,28,28]", "dataset.train_size=4800",
        "dataset.test_size=200", "train.epochs=2", "train.threads=1", "telemetry.log_every=5",
        "preemption.poll_seconds=0.5", "train.dtype=float64"]
+STEPS = 150
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +107,7 @@ def test_notice_checkpoints_at_once_exits_75_and_resumes_on_one_worker_exactly(t
     preempted = json.loads((run.dir / "preempted.json").read_text())
     assert preempted["reason"].startswith("spot terminate notice")
     stopped_at = preempted["step"]
-    assert before <= stopped_at < 200 and newest_checkpoint_step(run.dir / "checkpoints") \
+    assert before <= stopped_at < STEPS and newest_checkpoint_step(run.dir / "checkpoints") \
         == stopped_at
     assert any(m == "GET" and token for m, _, token in imds.requests)  # IMDSv2, with a token
     assert all(token for m, _, token in imds.requests if m == "GET")
@@ -114,7 +115,7 @@ def test_notice_checkpoints_at_once_exits_75_and_resumes_on_one_worker_exactly(t
     # The replacement has one worker: same global batch (32 x 1 x 2), same samples.
     resumed = train("spot", *RUN, "train.batch_size=32", "train.accumulation=2")
     assert f"resumed at step {stopped_at}" in resumed.output
-    assert resumed.summary["steps"] == 200 and resumed.summary["world_size"] == 1
+    assert resumed.summary["steps"] == STEPS and resumed.summary["world_size"] == 1
     assert_close(resumed.params(), whole.params(), rtol=1e-10)  # float64: see test_equivalence
 
 

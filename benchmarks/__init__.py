@@ -12,8 +12,8 @@ Each module runs on its own and writes a results folder (python -m benchmarks.X 
     mnist_engines.py   issue 3: 2-rank MNIST, ddp vs horovod (Gloo, MPI) vs the plain loop,
                        with the allreduce time per step
     allreduce.py       algbw / busbw against message size per transport (nccl-tests)
-    step_split.py      compute, waiting and gradient allreduce of a 2-worker step,
-                       measured inside one job (free of launch-to-launch noise)
+    step_split.py      compute, waiting and gradient allreduce of a 2-worker step of
+                       each trainer engine, inside one job (free of launch-to-launch noise)
     batch_sizes.py     img/s per batch size per model (the Chameleon talk's table)
     mnist_overhead.py  trainer vs plain loop in time to 99% accuracy
     predict.py         the alpha-beta model: img/s, efficiency, time and cost for 1..256 nodes

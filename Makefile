@@ -9,9 +9,6 @@ NPROC  ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ "$$n" -gt 0 ] && ec
 ENGINE ?= ddp
 ARGS   ?=
 PYTEST_ARGS ?=
-# Test files run two at a time: alone, the suite's processes keep 2 cores 57% busy (they
-# wait for timeouts, start-ups, launchers). loadfile keeps a file's shared runs together.
-TEST_JOBS ?= 2
 # make bench QUICK=1: the few-minutes run; make report RUN=name: a benchmarks/results
 # folder (default: the newest).
 QUICK  ?=
@@ -51,7 +48,7 @@ horovod: install
 	tools/build-horovod $(VENV)
 
 test: install horovod system-deps
-	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: install system-deps
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)

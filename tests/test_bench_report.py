@@ -185,10 +185,11 @@ def test_a_quick_benchmark_run_from_measurement_to_report(tmp_path):
     """The suite as `make bench QUICK=1` runs it, narrowed to one engine, one transport
     and one model so that it takes about a minute."""
     run = tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "benchmarks.suite", "--quick", "--name", str(run),
-                    "--engines", "ddp", "--model", "convnet", "--transports", "gloo",
-                    "--table-models", "lenet", "--table-batch-sizes", "32"],
-                   cwd=REPO, check=True, capture_output=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.suite", "--quick", "--name",
+                           str(run), "--engines", "ddp", "--model", "convnet", "--transports",
+                           "gloo", "--table-models", "lenet", "--table-batch-sizes", "32"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     subprocess.run([sys.executable, "-m", "benchmarks.report", str(run)], cwd=REPO,
                    check=True, capture_output=True)
     results = json.loads((run / "results.json").read_text())

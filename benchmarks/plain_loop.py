@@ -50,6 +50,15 @@ def network() -> nn.Module:
     )
 
 
+def sgd(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True,
+                           weight_decay=5e-4)
+
+
+def loss_of(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, y, label_smoothing=0.1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=2)
@@ -78,8 +87,7 @@ def main() -> None:
     model = network()
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
-                                weight_decay=5e-4)
+    optimizer = sgd(model, args.lr)
     global_batch = args.batch_size * world
     steps_per_epoch = len(x_train) // global_batch
     total, warmup = args.epochs * steps_per_epoch, args.warmup_epochs * steps_per_epoch
@@ -114,7 +122,7 @@ def main() -> None:
             index = order[i * global_batch: (i + 1) * global_batch][rank::world]
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step)
-            loss = F.cross_entropy(model(x_train[index]), y_train[index], label_smoothing=0.1)
+            loss = loss_of(model(x_train[index]), y_train[index])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

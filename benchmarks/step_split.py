@@ -42,10 +42,9 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks import record
-from benchmarks.plain_loop import network
+from benchmarks.plain_loop import loss_of, network, sgd
 from benchmarks.runs import ENGINES as RUNS
 from benchmarks.runs import available_engines, json_line, run_together, shown
 from launch.commands import local_command
@@ -56,11 +55,7 @@ from trainer.runtime import detect
 MODES = ("sync", "aligned", "free")
 ENGINES = [name for name, e in RUNS.items() if e.program == "trainer"]
 WORKERS = 2
-
-
-def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True,
-                           weight_decay=5e-4)
+LR = 0.01  # a small constant: steps take the same time at any LR
 
 
 class Job:
@@ -71,14 +66,14 @@ class Job:
         self.engine = engines.create(cfg.engine, detect(), torch.device("cpu"))
         free = network()
         synced = copy.deepcopy(free)
-        self.models = {"free": (free, sgd(free)),
-                       "sync": self.engine.prepare(synced, sgd(synced), 1)}
+        self.models = {"free": (free, sgd(free, LR)),
+                       "sync": self.engine.prepare(synced, sgd(synced, LR), 1)}
         self.pending: Callable[[], torch.Tensor] | None = None
 
     def step(self, mode: str, x: torch.Tensor, y: torch.Tensor) -> None:
         model, optimizer = self.models["sync" if mode == "sync" else "free"]
-        loss = F.cross_entropy(model(x), y, label_smoothing=0.1)
-        (loss * (self.engine.loss_scale if mode == "sync" else 1.0)).backward()
+        loss = loss_of(model(x), y) * (self.engine.loss_scale if mode == "sync" else 1.0)
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad()  # as the trainer: to None (Horovod's takes no argument)
         if mode != "free":
@@ -86,15 +81,17 @@ class Job:
 
     def vote(self) -> None:
         """As trainer.preemption.Watch.decide: the sum sent last step, then this one's."""
-        if self.pending is not None:
-            self.pending()
+        self.wait_for_vote()
         self.pending = self.engine.start_sum(torch.zeros(2), "preemption")
 
-    def together(self) -> None:
-        """Every rank here, nothing in flight: the start of a block."""
+    def wait_for_vote(self) -> None:
         if self.pending is not None:
             self.pending()
             self.pending = None
+
+    def together(self) -> None:
+        """Every rank here, nothing in flight: the start of a block."""
+        self.wait_for_vote()
         self.engine.all_gather_object(None)
 
     def slowest(self, value: float) -> float:

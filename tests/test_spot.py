@@ -25,10 +25,11 @@ from trainer.checkpoint import Checkpoints, find_resume
 
 # 4800 synthetic samples, 2 workers x 32: 75 steps per epoch, 2 epochs; long enough
 # for a notice to arrive mid-run, short enough for the suite.
-RUN = ["dataset=synthetic", "dataset.shape=[1,28,28]", "dataset.train_size=4800",
-       "dataset.test_size=200", "train.epochs=2", "train.threads=1", "telemetry.log_every=5",
-       "preemption.poll_seconds=0.5", "train.dtype=float64"]
-STEPS = 150
+SAMPLES, EPOCHS, GLOBAL_BATCH = 4800, 2, 2 * 32
+STEPS = SAMPLES * EPOCHS // GLOBAL_BATCH
+RUN = ["dataset=synthetic", "dataset.shape=[1,28,28]", f"dataset.train_size={SAMPLES}",
+       "dataset.test_size=200", f"train.epochs={EPOCHS}", "train.threads=1",
+       "telemetry.log_every=5", "preemption.poll_seconds=0.5", "train.dtype=float64"]
 
 
 @pytest.fixture(scope="module")

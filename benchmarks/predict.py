@@ -69,10 +69,12 @@ Validation (--validate; tests/test_predict.py checks the 10%):
     measurements of the engine's transport, G and bucket of the engine, c = 1 for the
     trainer's engines, s from the host's cores, the workers' threads and the CPU the
     engine's transport takes from them. Two launches of one 2-worker job differ here by
-    10-20%, so that comparison carries that noise; validate_split also compares with
-    2-worker steps measured inside one job against that job's own compute blocks
-    (benchmarks/step_split.py: r1 and jitter from its free blocks, s = 1 because those
-    blocks ran beside the engine's threads, the rest as above).
+    10-40%, so that comparison carries that noise: validate_machine gives beside the
+    error each repeat's, predicted from that repeat's own compute-only runs (their spread
+    is the noise); validate_split also compares with 2-worker steps measured inside one
+    job against that job's own compute blocks (benchmarks/step_split.py: r1 and jitter
+    from its free blocks, s = 1 because those blocks ran beside the engine's threads, the
+    rest as above).
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from benchmarks.allreduce import ENGINE_TRANSPORT
-from benchmarks.throughput import reference
+from benchmarks.stats import interval_stats, median_range
+from benchmarks.throughput import reference, runs_by_setup, step_time
 
 NODE_COUNTS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 BACKWARD_FRACTION = 2 / 3
@@ -284,6 +287,8 @@ def validate_machine(results: dict) -> list[dict]:
                      "nodes": n, "batch": row["batch"], "what": "img_s",
                      "published": row["total_median"], "predicted": p["img_s"],
                      "error": p["img_s"] / row["total_median"] - 1,
+                     "error_per_repeat": median_range(paired_errors(results, busy, engine, n,
+                                                                    row["batch"])),
                      "predicted_compute_alone": predict(alone, n)["img_s"],
                      "jitter": busy.jitter, "compute_share": busy.compute_share,
                      "wait_ms": p["wait_ms"],
@@ -292,6 +297,22 @@ def validate_machine(results: dict) -> list[dict]:
                      "latency_us": busy.latency_s * 1e6, "bandwidth_gbps": busy.bandwidth / 1e9,
                      "source": busy.source})
     return rows
+
+
+def paired_errors(results: dict, s: Scenario, engine: str, workers: int,
+                  batch: int) -> list[float]:
+    """Each repeat's run of ``engine`` predicted from r1 and jitter of the same repeat's
+    compute-only runs (adjacent in time, alike in load), against its measured img/s: how
+    far two launches of one configuration apart can be, shown beside the error."""
+    runs = runs_by_setup(results["throughput"])
+    errors = []
+    for run, alone in zip(runs[(engine, workers, batch, False)],
+                          runs[(reference(engine), workers, batch, True)], strict=True):
+        t = step_time(batch, alone["per_worker"])
+        p = predict(replace(s, img_s=1000 * batch / t["mean_ms"],
+                            jitter=t["sd_ms"] / t["mean_ms"]), workers)
+        errors.append(p["img_s"] / (workers * interval_stats(run["per_worker"])["mean"]) - 1)
+    return errors
 
 
 def validate_split(results: dict) -> list[dict]:

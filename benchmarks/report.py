@@ -40,6 +40,11 @@ def millis(x: float | None, digits: int = 1) -> str:
     return DASH if x is None else f"{x:.{digits}f}"
 
 
+def signed_range(r: dict) -> str:
+    """A median_range of relative errors: median (lowest to highest)."""
+    return f"{100 * r['median']:+.1f}% ({100 * r['low']:+.0f} to {100 * r['high']:+.0f}%)"
+
+
 def gbps(x: float | None) -> str:
     return DASH if x is None else f"{x:.3g}"
 
@@ -212,7 +217,8 @@ def prediction(r: dict) -> str:
                   f"{row['predicted']:.4g}", f"{100 * row['error']:+.1f}%", row["source"]]
                  for row in p["published"]]
     machine = [[row["engine"], str(row["batch"]), rate(row["published"]), rate(row["predicted"]),
-                f"{100 * row['error']:+.1f}%", percent(row["jitter"]),
+                f"{100 * row['error']:+.1f}%", signed_range(row["error_per_repeat"]),
+                percent(row["jitter"]),
                 percent(row["compute_share"]), millis(row["wait_ms"]),
                 millis(row["communication_ms"]), millis(row["measured_communication_ms"]),
                 rate(row["predicted_compute_alone"]), f"{row['latency_us']:.0f}",
@@ -229,12 +235,14 @@ def prediction(r: dict) -> str:
         "step time and its jitter, the host as busy as with 2 workers) and the alpha and beta "
         "fitted to the engine's transport. core kept = the share of its core a worker "
         "keeps from its transport's background threads (the CPU they take from a program "
-        "that computes, measured with the allreduce); wait = the slowest worker's lateness; "
+        "that computes, measured with the allreduce); per repeat = each repeat's run "
+        "predicted from the same repeat's compute-only runs: median (lowest to highest), how "
+        "far launches of one configuration fall apart; wait = the slowest worker's lateness; "
         "comm = gradients + the trainer's per-step vote; measured comm = step - compute "
         "above.",
-        table(["engine", "batch", "measured img/s", "predicted", "error", "jitter",
-               "core kept", "wait ms", "comm ms", "measured comm ms", "predicted, compute alone",
-               "alpha us", "beta GB/s"], machine) if machine else "",
+        table(["engine", "batch", "measured img/s", "predicted", "error", "per repeat",
+               "jitter", "core kept", "wait ms", "comm ms", "measured comm ms",
+               "predicted, compute alone", "alpha us", "beta GB/s"], machine) if machine else "",
         split_prediction(p["split"]) if "split" in p else "",
     ])
 

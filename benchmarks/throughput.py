@@ -93,12 +93,17 @@ def run_interleaved(setups: list[Setup], workload: Workload, timing: Timing, rep
     return runs
 
 
+def step_time(batch: int, per_worker: list[float]) -> dict[str, float]:
+    """Mean and standard deviation of the step time of one run's single-step intervals
+    (an independent run's): the compute time, and how much it varies."""
+    steps = [1000 * batch / x for x in per_worker]
+    return {"mean_ms": statistics.fmean(steps), "sd_ms": statistics.pstdev(steps)}
+
+
 def step_times(runs: list[Run]) -> dict[str, float]:
-    """Mean and standard deviation of the step time of single-step intervals (the
-    independent runs), medians over repeats: the compute time, and how much it varies."""
-    per_run = [[1000 * r.setup.batch / x for x in r.per_worker] for r in runs]
-    return {"mean_ms": median_range([statistics.fmean(t) for t in per_run])["median"],
-            "sd_ms": median_range([statistics.pstdev(t) for t in per_run])["median"]}
+    """step_time of every repeat, medians over repeats."""
+    per_run = [step_time(r.setup.batch, r.per_worker) for r in runs]
+    return {k: median_range([t[k] for t in per_run])["median"] for k in ("mean_ms", "sd_ms")}
 
 
 def summarize(runs: dict[Setup, list[Run]], workload: Workload, timing: Timing) -> dict:
@@ -144,13 +149,20 @@ def per_repeat_efficiency(many: list[list[float]], ones: list[list[float]]) -> l
             for n, one in zip(many, ones, strict=True)]
 
 
+def runs_by_setup(section: dict) -> dict[tuple, list[dict]]:
+    """The runs of a throughput section by (engine, workers, batch, independent), each
+    configuration's in repeat order."""
+    runs: dict[tuple, list[dict]] = {}
+    for r in section["runs"]:
+        runs.setdefault((r["engine"], r["workers"], r["batch"], r["independent"]), []).append(r)
+    return runs
+
+
 def paired_efficiencies(section: dict) -> dict[str, list[float]]:
     """Per engine, per_repeat_efficiency of every multi-worker configuration, pooled over
     batch sizes: from the runs of a throughput section, so it can be recomputed from
     results.json."""
-    runs: dict[tuple, list[dict]] = {}
-    for r in section["runs"]:  # in repeat order within each configuration
-        runs.setdefault((r["engine"], r["workers"], r["batch"], r["independent"]), []).append(r)
+    runs = runs_by_setup(section)
     out: dict[str, list[float]] = {}
     for (engine, n, batch, independent), many in runs.items():
         one = runs.get((reference(engine), 1, batch, False))

@@ -144,6 +144,8 @@ def check_report(folder: Path) -> int:
     for row, j in zip(machine, results["prediction"]["machine"], strict=True):
         assert (row["engine"], int(row["batch"])) == (j["engine"], j["batch"])
         expect(row["core kept"], 100 * j["compute_share"])
+        for index, key in enumerate(("median", "low", "high")):
+            expect(row["per repeat"], 100 * j["error_per_repeat"][key], index)
         expect(row["wait ms"], j["wait_ms"])
         expect(row["comm ms"], j["communication_ms"])
     return checked

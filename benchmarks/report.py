@@ -42,7 +42,8 @@ def millis(x: float | None, digits: int = 1) -> str:
 
 def signed_range(r: dict) -> str:
     """A median_range of relative errors: median (lowest to highest)."""
-    return f"{100 * r['median']:+.1f}% ({100 * r['low']:+.0f} to {100 * r['high']:+.0f}%)"
+    low, high = (round(100 * r[k]) for k in ("low", "high"))  # ints: no "-0"
+    return f"{100 * r['median']:+.1f}% ({low:+d} to {high:+d}%)"
 
 
 def gbps(x: float | None) -> str:
@@ -133,7 +134,7 @@ def throughput(r: dict) -> str:
         f"repeat(s); 1 thread (core) per worker. img/s as mean ± 1.96 sigma over all measured "
         "intervals, and the median over repeats; speedup and efficiency against one worker "
         "of the same program; compute = step time of single workers run side by side (no "
-        "communication), communication = the rest of the step.",
+        "communication), communication = the rest of the step." + measured_apart(t),
         table(["configuration", "workers", "batch / worker", "img/s per worker",
                "img/s total", "img/s total (median)", "speedup", "efficiency",
                "efficiency range", "step ms", "compute ms", "communication ms"], rows),

@@ -3,7 +3,7 @@
     python -m benchmarks.step_split                       # every engine this host has
     python -m benchmarks.step_split --engines ddp horovod-gloo --batch-sizes 32 64 128
 
-Why inside one job: two launches of the same 2-worker job differ here by 10-20% (where
+Why inside one job: two launches of the same 2-worker job differ here by 10-40% (where
 the scheduler puts each process's threads, what else the VM runs), which is more than
 what communication costs. The throughput benchmark's split (a 2-worker run against two
 single workers launched apart) inherits that noise, and can even come out negative. Here

@@ -21,7 +21,8 @@ Transports, each started by its launcher (benchmarks/allreduce_ranks.py does the
 Every size of every transport is measured --repeats times, transports interleaved;
 the median over repeats of each run's median loop counts (allreduce_ranks.py). So
 does the median CPU a transport's threads take from a program that computes
-(`background_cpu_cores`, in cores; see allreduce_ranks.py).
+(`background_cpu_cores`, in cores; see allreduce_ranks.py), and with --cold-bytes the
+median time of that size's allreduce after bursts of computing (`cold`).
 Each row also says how it compares with the best transport at that size (busbw / best
 busbw; the trainer's path is compared, never the best).
 """
@@ -70,27 +71,34 @@ def bandwidth(nbytes: int, seconds: float, ranks: int) -> dict[str, float]:
     return {"algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (ranks - 1) / ranks}
 
 
-def _run(transport: str, ranks: int, message_sizes: list[int],
-         budget: float) -> tuple[dict, str]:
+def _run(transport: str, ranks: int, message_sizes: list[int], budget: float,
+         cold_bytes: int | None) -> tuple[dict, str]:
     launcher, rank_side, env = TRANSPORTS[transport]
+    cold = [] if cold_bytes is None else ["--cold-bytes", str(cold_bytes)]
     command = local_command(launcher, ranks, [rank_side, "--sizes", *map(str, message_sizes),
-                                              "--budget", str(budget)],
+                                              "--budget", str(budget), *cold],
                             module="benchmarks.allreduce_ranks")
     (stdout,) = run_together([command], env)
     return json_line(stdout, "transport"), shown(command, env)
 
 
 def measure(transports: list[str], ranks: int, message_sizes: list[int], budget: float,
-            repeats: int) -> dict:
+            repeats: int, cold_bytes: int | None = None) -> dict:
+    """Every size of every transport; with ``cold_bytes`` (the gradient's), also that
+    size's allreduce after bursts of computing (allreduce_ranks.cold_allreduce_seconds)."""
     seconds: dict[str, dict[int, list[float]]] = {t: {} for t in transports}
     background: dict[str, list[float]] = {t: [] for t in transports}
+    cold: dict[str, list[float]] = {t: [] for t in transports}
     commands: dict[str, str] = {}
     for repeat in range(repeats):
         for transport in transports if repeat % 2 == 0 else transports[::-1]:
-            result, commands[transport] = _run(transport, ranks, message_sizes, budget)
+            result, commands[transport] = _run(transport, ranks, message_sizes, budget,
+                                               cold_bytes)
             for row in result["results"]:
                 seconds[transport].setdefault(row["bytes"], []).append(row["seconds"])
             background[transport].append(result["background_cpu_cores"])
+            if result["cold"]:
+                cold[transport].append(result["cold"]["seconds"])
             print(f"[{repeat + 1}/{repeats}] allreduce over {transport}: "
                   + ", ".join(f"{r['bytes'] // KIB} KiB {r['seconds'] * 1e3:.3g} ms"
                               for r in result["results"][::4])
@@ -107,7 +115,10 @@ def measure(transports: list[str], ranks: int, message_sizes: list[int], budget:
             r["of_best"] = r["busbw_gbps"] / best if best else None
     return {"ranks": ranks, "budget_seconds": budget, "repeats": repeats, "loops": LOOPS,
             "commands": commands, "transports": rows,
-            "background_cpu_cores": {t: statistics.median(v) for t, v in background.items()}}
+            "background_cpu_cores": {t: statistics.median(v) for t, v in background.items()},
+            **({"cold": {t: {"bytes": cold_bytes, "seconds": statistics.median(v),
+                             "seconds_per_repeat": v} for t, v in cold.items()}}
+               if cold_bytes is not None else {})}
 
 
 def main() -> None:
@@ -118,11 +129,15 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=0.2, help="timed seconds per size")
     p.add_argument("--size-factor", type=int, default=2, help="sizes 1 KiB x f^k to 64 MiB")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cold-bytes", type=int, default=None,
+                   help="also time this size after bursts of computing (the gradient's)")
     record.add_name_argument(p, "allreduce")
     args = p.parse_args()
+    message_sizes = sorted({*sizes(factor=args.size_factor),
+                            *([args.cold_bytes] if args.cold_bytes else [])})
     record.write(args.name, "allreduce", lambda folder: {"allreduce": measure(
-        args.transports or available(), args.ranks, sizes(factor=args.size_factor),
-        args.budget, args.repeats)})
+        args.transports or available(), args.ranks, message_sizes, args.budget, args.repeats,
+        args.cold_bytes)})
 
 
 if __name__ == "__main__":

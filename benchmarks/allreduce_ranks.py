@@ -26,6 +26,11 @@ cycle every HOROVOD_CYCLE_TIME ms whether or not there is anything to reduce, an
 MPI it polls while it waits for the other ranks' cycles; Gloo's and MPI's threads sleep.
 benchmarks/predict.py charges this CPU to the compute where the workers have no spare
 core. The busiest rank's figure is reported.
+
+With --cold-bytes (the model's gradient size), each rank then times an allreduce of that
+size after each of 20 bursts of 50 ms: cold, as a step's gradients are, where the
+transport's threads have slept through the compute (Gloo's wake up; MPI's and Horovod's
+poll). benchmarks/predict.py charges a step what this costs over a back-to-back call.
 """
 
 from __future__ import annotations
@@ -200,6 +205,24 @@ def background_cpu_cores(transport, seconds: float, burst: float = 0.025) -> flo
     return transport.max(others / computing)
 
 
+def cold_allreduce_seconds(transport, nbytes: int, bursts: int = 20,
+                           burst: float = 0.05) -> float:
+    """An allreduce of ``nbytes`` after each of ``bursts`` bursts of computation, as a
+    step's gradients follow its backward: the transport's threads slept through the
+    burst. Each call's time is the last-arriving rank's (it waits for no one); median."""
+    a, buf = torch.ones(256, 256), transport.buffer(max(1, nbytes // 4))
+    calls = []
+    for _ in range(bursts):
+        wall = time.perf_counter()
+        while time.perf_counter() - wall < burst:
+            torch.mm(a, a)
+        start = time.perf_counter()
+        transport.allreduce(buf)
+        transport.wait()
+        calls.append(-transport.max(start - time.perf_counter()))
+    return statistics.median(calls)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("transport", choices=list(TRANSPORTS))
@@ -207,14 +230,20 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=0.2, help="seconds of timed calls per size")
     p.add_argument("--busy", type=float, default=1.0,
                    help="seconds of computing, for the CPU the transport takes from it")
+    p.add_argument("--cold-bytes", type=int, default=None,
+                   help="also time an allreduce of this size after bursts of computing")
     args = p.parse_args()
     torch.set_num_threads(1)
     transport = TRANSPORTS[args.transport]()
     results = [time_allreduce(transport, n, args.budget) for n in args.sizes]
     background = background_cpu_cores(transport, args.busy)
+    cold = (None if args.cold_bytes is None else
+            {"bytes": args.cold_bytes,
+             "seconds": cold_allreduce_seconds(transport, args.cold_bytes)})
     if transport.rank == 0:
         print(json.dumps({"transport": args.transport, "ranks": transport.size,
-                          "results": results, "background_cpu_cores": background}), flush=True)
+                          "results": results, "background_cpu_cores": background,
+                          "cold": cold}), flush=True)
     transport.close()
 
 

@@ -29,7 +29,10 @@ Every step, each of the N = nodes x gpus_per_node workers
                   1.42, 2.59, 3.04 for N = 1, 2, 4, 8, 128, 512)
     and pays      c 2(N-1) alpha for c other blocking small allreduces per step (the
                   trainer's spot-notice vote: c = 1; the plain loop: 0)
-    takes         t_step = t_c + sigma e_N + t_x + c 2(N-1) alpha
+    and wakes     the transport's threads, which slept through the compute: t_w, what
+                  an allreduce of the gradient after compute takes over a back-to-back
+                  one (measured, benchmarks/allreduce_ranks.py; 0 where not measured)
+    takes         t_step = t_c + sigma e_N + t_x + c 2(N-1) alpha + t_w
                   img/s = N batch / t_step;  efficiency = batch / r1 / t_step
 
 Shared cores. Where the workers compute on CPU cores, the engine's own background threads
@@ -68,13 +71,15 @@ Validation (--validate; tests/test_predict.py checks the 10%):
     memory system here; they log every step), alpha and beta fitted to the allreduce
     measurements of the engine's transport, G and bucket of the engine, c = 1 for the
     trainer's engines, s from the host's cores, the workers' threads and the CPU the
-    engine's transport takes from them. Two launches of one 2-worker job differ here by
-    10-40%, so that comparison carries that noise: validate_machine gives beside the
-    error each repeat's, predicted from that repeat's own compute-only runs (their spread
-    is the noise); validate_split also compares with 2-worker steps measured inside one
-    job against that job's own compute blocks (benchmarks/step_split.py: r1 and jitter
-    from its free blocks, s = 1 because those blocks ran beside the engine's threads, the
-    rest as above).
+    engine's transport takes from them, t_w from its cold and back-to-back allreduces of
+    the gradient (Gloo's threads sleep through the compute; in the published GPU cases
+    t_w = 0: Horovod's thread cycles every millisecond and NCCL runs on the GPU). Two
+    launches of one 2-worker job differ here by 10-40%, so that comparison carries that
+    noise: validate_machine gives beside the error each repeat's, predicted from that
+    repeat's own compute-only runs (their spread is the noise); validate_split also
+    compares with 2-worker steps measured inside one job against that job's own compute
+    blocks (benchmarks/step_split.py: r1 and jitter from its free blocks, s = 1 because
+    those blocks ran beside the engine's threads, the rest as above).
 """
 
 from __future__ import annotations
@@ -118,6 +123,7 @@ class Scenario:
     jitter: float = 0.01  # standard deviation of a worker's step time / its mean
     collectives: int = 0  # other blocking small allreduces per step
     compute_share: float = 1.0  # s: of its compute cores, what a worker keeps
+    wakeup_s: float = 0.0  # t_w: a cold gradient allreduce over a back-to-back one
     intra_latency_s: float = 5e-6  # alpha and beta inside one node (PCIe)
     intra_bandwidth: float = 10e9
     samples: int = 1_281_167
@@ -158,8 +164,9 @@ def step_seconds(s: Scenario, nodes: int) -> dict[str, float]:
     backward = BACKWARD_FRACTION * compute
     exposed = max(total / k, total - backward * (k - 1) / k)
     others = ring_allreduce_seconds(0, workers, latency, bandwidth, s.collectives)
+    wakeup = s.wakeup_s if workers > 1 else 0.0
     return {"compute": compute, "wait": s.jitter * compute * expected_max_of_normals(workers),
-            "communication": exposed + others}
+            "communication": exposed + others + wakeup}
 
 
 def predict(s: Scenario, nodes: int) -> dict:
@@ -256,18 +263,24 @@ def machine_scenario(results: dict, engine: str, workers: int, batch: int,
 def _this_machine(results: dict, engine: str, workers: int, batch: int, gradient: float,
                   img_s: float, jitter: float, threads: int, what: str) -> Scenario:
     """alpha and beta fitted to the engine's transport, the engine's bucket, the
-    trainer's extra collective, and the share of its core each worker keeps from the
-    transport's background threads; the rest as given."""
+    trainer's extra collective, the share of its core each worker keeps from the
+    transport's background threads, and what waking them costs a step; the rest as
+    given."""
     allreduce = results["allreduce"]
     transport = ENGINE_TRANSPORT[engine]
     latency, bandwidth = fit_alpha_beta(allreduce["transports"][transport], allreduce["ranks"])
+    wakeup = 0.0
+    if "cold" in allreduce:  # results from before it was measured have none
+        cold = allreduce["cold"][transport]
+        hot = next(r for r in allreduce["transports"][transport] if r["bytes"] == cold["bytes"])
+        wakeup = max(0.0, cold["seconds"] - hot["seconds"])
     share = compute_share(results["machine"]["cores"] / workers, threads,
                           allreduce["background_cpu_cores"][transport])
     return Scenario(
         f"this machine: {what}, 1 core per worker", batch, img_s,
         gradient, BUCKET_BYTES[engine], latency, bandwidth,
         jitter=jitter, collectives=0 if engine == "plain" else TRAINER_COLLECTIVES_PER_STEP,
-        compute_share=share, samples=60_000, epochs=2,
+        compute_share=share, wakeup_s=wakeup, samples=60_000, epochs=2,
         source=f"{what}, {transport} allreduce fit")
 
 

@@ -182,15 +182,32 @@ def allreduce(r: dict) -> str:
         f"{a['ranks']} ranks, float32 sum in place; median of {a['repeats']} repeat(s), each "
         f"the median of {a['loops']} timed loops sharing about {a['budget_seconds']} s of calls "
         "per size. algbw = size / time, busbw = algbw x 2(n-1)/n (nccl-tests), in GB/s "
-        "(10^9 bytes).",
+        "(10^9 bytes)." + measured_apart(a),
         "Bus bandwidth, GB/s:\n\n" + table(["size", *names], cells("busbw_gbps")),
         "Algorithm bandwidth, GB/s:\n\n" + table(["size", *names], cells("algbw_gbps")),
         "![busbw against size](allreduce.png)",
         "CPU the transport's own threads take from a program that computes on every core "
         "(median, cores; the predictor takes it from the workers' compute): "
         + ", ".join(f"{t} {a['background_cpu_cores'][t]:.2f}" for t in names) + ".",
+        cold(a),
         commands("exact commands", list(a["commands"].values())),
     ])
+
+
+def cold(a: dict) -> str:
+    """The gradient's allreduce after bursts of computing against back to back: what
+    waking a transport's threads costs a step (the predictor's t_w)."""
+    if "cold" not in a:
+        return ""
+    rows = []
+    for t, c in a["cold"].items():
+        hot = next(x for x in a["transports"][t] if x["bytes"] == c["bytes"])["seconds"]
+        rows.append([t, millis(1e3 * c["seconds"], 3), millis(1e3 * hot, 3),
+                     millis(1e3 * max(0.0, c["seconds"] - hot), 3)])
+    return (f"The gradient's allreduce ({size(next(iter(a['cold'].values()))['bytes'])}) "
+            "after each of 20 bursts of 50 ms of computing (cold: the transport's threads "
+            "slept), against back to back; medians:\n\n"
+            + table(["transport", "cold ms", "back to back ms", "t_w ms"], rows))
 
 
 def batch_sizes(r: dict) -> str:
@@ -239,8 +256,8 @@ def prediction(r: dict) -> str:
         "that computes, measured with the allreduce); per repeat = each repeat's run "
         "predicted from the same repeat's compute-only runs: median (lowest to highest), how "
         "far launches of one configuration fall apart; wait = the slowest worker's lateness; "
-        "comm = gradients + the trainer's per-step vote; measured comm = step - compute "
-        "above.",
+        "comm = gradients + the trainer's per-step vote + waking the transport's threads "
+        "(a cold allreduce over a back-to-back one); measured comm = step - compute above.",
         table(["engine", "batch", "measured img/s", "predicted", "error", "per repeat",
                "jitter", "core kept", "wait ms", "comm ms", "measured comm ms",
                "predicted, compute alone", "alpha us", "beta GB/s"], machine) if machine else "",

@@ -11,7 +11,8 @@ In order, into benchmarks/results/<time>-bench[-quick]/results.json:
 
     throughput      benchmarks/throughput.py on MNIST (1 and 2 workers, every engine
                     this host has, the plain DDP loop; --model: synthetic data instead)
-    allreduce       benchmarks/allreduce.py, 1 KiB..64 MiB and the model's gradient size
+    allreduce       benchmarks/allreduce.py, 1 KiB..64 MiB and the model's gradient size,
+                    which is also timed after bursts of computing (cold)
     step_split      benchmarks/step_split.py: compute, waiting and allreduce of a 2-worker
                     step, measured inside one job, for each trainer engine measured above
     batch_sizes     benchmarks/batch_sizes.py
@@ -109,7 +110,8 @@ def measure(args: argparse.Namespace, folder: Path) -> dict:
     sizes = sorted({*allreduce.sizes(factor=mode["size_factor"]), gradient})
     results["allreduce"] = allreduce.measure(args.transports or allreduce.available(),
                                              mnist_engines.WORKERS, sizes, mode["budget"],
-                                             args.repeats or mode["allreduce_repeats"])
+                                             args.repeats or mode["allreduce_repeats"],
+                                             cold_bytes=gradient)
     print("== step split", flush=True)
     # The engines measured above whose allreduce was measured too: the predictor needs both.
     trained = {r["engine"] for r in results["throughput"]["rows"]}

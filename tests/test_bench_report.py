@@ -99,12 +99,22 @@ def check_report(folder: Path) -> int:
         expect(row["allreduce ms"], j["allreduce_ms"])
         expect(row["busbw GB/s"], j["busbw_gbps"])
 
-    busbw, algbw = section(parsed, "Allreduce")
+    busbw, algbw, *cold = section(parsed, "Allreduce")
     for table, key in ((busbw, "busbw_gbps"), (algbw, "algbw_gbps")):
         for row in table:
             n = size_of(row["size"])
             for transport, rows_json in results["allreduce"]["transports"].items():
                 expect(row[transport], next(x[key] for x in rows_json if x["bytes"] == n))
+    assert len(cold) == ("cold" in results["allreduce"])
+    for rows in cold:
+        assert [row["transport"] for row in rows] == list(results["allreduce"]["cold"])
+        for row in rows:
+            j = results["allreduce"]["cold"][row["transport"]]
+            hot = next(x["seconds"] for x in results["allreduce"]["transports"][row["transport"]]
+                       if x["bytes"] == j["bytes"])
+            expect(row["cold ms"], 1e3 * j["seconds"])
+            expect(row["back to back ms"], 1e3 * hot)
+            expect(row["t_w ms"], 1e3 * max(0.0, j["seconds"] - hot))
 
     (rows,) = section(parsed, "Batch sizes")
     for row in rows:
@@ -206,6 +216,9 @@ def test_a_quick_benchmark_run_from_measurement_to_report(tmp_path):
     assert results["machine"]["cores"] and results["command"].startswith("python -m")
     # Gloo's threads sleep while the program computes: nothing taken from the compute.
     assert 0 <= results["allreduce"]["background_cpu_cores"]["gloo"] < 0.05
+    # ...and the gradient's allreduce after computing is timed, for the predictor's t_w.
+    cold = results["allreduce"]["cold"]["gloo"]
+    assert cold["bytes"] == results["throughput"]["gradient_bytes"] and cold["seconds"] > 0
     # The step split: one Gloo job; its figures are consistent, the predictor compares.
     (split,) = results["step_split"]["rows"]
     assert split["engine"] == "ddp" and split["batch"] == 64

@@ -113,6 +113,35 @@ def test_the_engines_threads_are_charged_to_launches_apart_not_to_one_job():
         assert after["predicted"] < before["predicted"]
 
 
+def test_waking_the_transports_threads_costs_each_multi_worker_step_cold_minus_hot():
+    """t_w: what the measured cold allreduce of the gradient takes over the back-to-back
+    one, added to every step with more than one worker; nothing where not measured."""
+    results = json.loads((REPO / "benchmarks/results/reference/results.json").read_text())
+    allreduce = results["allreduce"]
+    cold = allreduce["cold"]["gloo"]
+    hot = next(r for r in allreduce["transports"]["gloo"] if r["bytes"] == cold["bytes"])
+    measured_ms = 1e3 * max(0.0, cold["seconds"] - hot["seconds"])
+    slower = copy.deepcopy(results)
+    slower["allreduce"]["cold"]["gloo"]["seconds"] = hot["seconds"] + 0.004
+    unmeasured = copy.deepcopy(results)
+    del unmeasured["allreduce"]["cold"]
+    rows = {name: {r["case"]: r for r in validate_machine(r)}
+            for name, r in (("measured", results), ("slower", slower),
+                            ("unmeasured", unmeasured))}
+    for case, row in rows["slower"].items():
+        gloo = row["engine"] in ("ddp", "plain")
+        assert row["communication_ms"] == pytest.approx(
+            rows["measured"][case]["communication_ms"] + (4.0 - measured_ms if gloo else 0.0))
+        # Unmeasured, nothing is charged for waking the threads: not even Gloo's 4 ms.
+        assert rows["unmeasured"][case]["communication_ms"] <= \
+            row["communication_ms"] - (4.0 if gloo else 0.0) + 1e-9
+    s = PRESETS["chameleon-resnet50"]
+    woken = replace(s, wakeup_s=0.004)
+    assert step_seconds(woken, 1) == step_seconds(s, 1)
+    assert step_seconds(woken, 8)["communication"] == pytest.approx(
+        step_seconds(s, 8)["communication"] + 0.004)
+
+
 def test_more_nodes_are_faster_but_less_efficient():
     s = PRESETS["horovod-resnet101"]
     rows = [predict(s, n) for n in (1, 2, 8, 64, 256)]

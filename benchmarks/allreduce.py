@@ -85,7 +85,10 @@ def _run(transport: str, ranks: int, message_sizes: list[int], budget: float,
 def measure(transports: list[str], ranks: int, message_sizes: list[int], budget: float,
             repeats: int, cold_bytes: int | None = None) -> dict:
     """Every size of every transport; with ``cold_bytes`` (the gradient's), also that
-    size's allreduce after bursts of computing (allreduce_ranks.cold_allreduce_seconds)."""
+    size's allreduce after bursts of computing (allreduce_ranks.cold_allreduce_seconds),
+    and back to back among the sizes, to compare with."""
+    if cold_bytes is not None:
+        message_sizes = sorted({*message_sizes, cold_bytes})
     seconds: dict[str, dict[int, list[float]]] = {t: {} for t in transports}
     background: dict[str, list[float]] = {t: [] for t in transports}
     cold: dict[str, list[float]] = {t: [] for t in transports}
@@ -121,6 +124,18 @@ def measure(transports: list[str], ranks: int, message_sizes: list[int], budget:
                if cold_bytes is not None else {})}
 
 
+def wakeup(section: dict, transport: str) -> dict | None:
+    """What waking ``transport``'s threads costs a step (the predictor's t_w): its cold
+    allreduce of the gradient over its back-to-back one, seconds; None where the cold
+    call was not measured (results from before it was)."""
+    if "cold" not in section:
+        return None
+    cold = section["cold"][transport]
+    hot = next(r for r in section["transports"][transport] if r["bytes"] == cold["bytes"])
+    return {"bytes": cold["bytes"], "cold": cold["seconds"], "hot": hot["seconds"],
+            "wakeup": max(0.0, cold["seconds"] - hot["seconds"])}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--transports", nargs="+", default=None, choices=list(TRANSPORTS),
@@ -133,11 +148,9 @@ def main() -> None:
                    help="also time this size after bursts of computing (the gradient's)")
     record.add_name_argument(p, "allreduce")
     args = p.parse_args()
-    message_sizes = sorted({*sizes(factor=args.size_factor),
-                            *([args.cold_bytes] if args.cold_bytes else [])})
     record.write(args.name, "allreduce", lambda folder: {"allreduce": measure(
-        args.transports or available(), args.ranks, message_sizes, args.budget, args.repeats,
-        args.cold_bytes)})
+        args.transports or available(), args.ranks, sizes(factor=args.size_factor),
+        args.budget, args.repeats, args.cold_bytes)})
 
 
 if __name__ == "__main__":

@@ -49,6 +49,8 @@ WARMUP_CALLS = 3
 LOOPS = 5
 MAX_CALLS = 200  # per loop
 MIN_CALLS = 2
+COLD_BURSTS = 20  # --cold-bytes: allreduces timed, each after a burst of computing
+COLD_BURST_SECONDS = 0.05
 
 
 class TorchDistributed:
@@ -205,8 +207,8 @@ def background_cpu_cores(transport, seconds: float, burst: float = 0.025) -> flo
     return transport.max(others / computing)
 
 
-def cold_allreduce_seconds(transport, nbytes: int, bursts: int = 20,
-                           burst: float = 0.05) -> float:
+def cold_allreduce_seconds(transport, nbytes: int, bursts: int = COLD_BURSTS,
+                           burst: float = COLD_BURST_SECONDS) -> float:
     """An allreduce of ``nbytes`` after each of ``bursts`` bursts of computation, as a
     step's gradients follow its backward: the transport's threads slept through the
     burst. Each call's time is the last-arriving rank's (it waits for no one); median."""

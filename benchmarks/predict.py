@@ -91,7 +91,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from benchmarks.allreduce import ENGINE_TRANSPORT
+from benchmarks.allreduce import ENGINE_TRANSPORT, wakeup
 from benchmarks.stats import interval_stats, median_range
 from benchmarks.throughput import reference, runs_by_setup, step_time
 
@@ -269,18 +269,15 @@ def _this_machine(results: dict, engine: str, workers: int, batch: int, gradient
     allreduce = results["allreduce"]
     transport = ENGINE_TRANSPORT[engine]
     latency, bandwidth = fit_alpha_beta(allreduce["transports"][transport], allreduce["ranks"])
-    wakeup = 0.0
-    if "cold" in allreduce:  # results from before it was measured have none
-        cold = allreduce["cold"][transport]
-        hot = next(r for r in allreduce["transports"][transport] if r["bytes"] == cold["bytes"])
-        wakeup = max(0.0, cold["seconds"] - hot["seconds"])
+    woken = wakeup(allreduce, transport)
     share = compute_share(results["machine"]["cores"] / workers, threads,
                           allreduce["background_cpu_cores"][transport])
     return Scenario(
         f"this machine: {what}, 1 core per worker", batch, img_s,
         gradient, BUCKET_BYTES[engine], latency, bandwidth,
         jitter=jitter, collectives=0 if engine == "plain" else TRAINER_COLLECTIVES_PER_STEP,
-        compute_share=share, wakeup_s=wakeup, samples=60_000, epochs=2,
+        compute_share=share, wakeup_s=woken["wakeup"] if woken else 0.0, samples=60_000,
+        epochs=2,
         source=f"{what}, {transport} allreduce fit")
 
 
@@ -288,6 +285,7 @@ def validate_machine(results: dict) -> list[dict]:
     """Predicted against measured img/s for every multi-worker configuration of a run
     whose transport was measured too."""
     rows = []
+    runs = runs_by_setup(results["throughput"])
     for row in results["throughput"]["rows"]:
         engine, n = row["engine"], row["workers"]
         if n == 1 or row["independent"] or \
@@ -300,7 +298,7 @@ def validate_machine(results: dict) -> list[dict]:
                      "nodes": n, "batch": row["batch"], "what": "img_s",
                      "published": row["total_median"], "predicted": p["img_s"],
                      "error": p["img_s"] / row["total_median"] - 1,
-                     "error_per_repeat": median_range(paired_errors(results, busy, engine, n,
+                     "error_per_repeat": median_range(paired_errors(runs, busy, engine, n,
                                                                     row["batch"])),
                      "predicted_compute_alone": predict(alone, n)["img_s"],
                      "jitter": busy.jitter, "compute_share": busy.compute_share,
@@ -312,12 +310,12 @@ def validate_machine(results: dict) -> list[dict]:
     return rows
 
 
-def paired_errors(results: dict, s: Scenario, engine: str, workers: int,
+def paired_errors(runs: dict[tuple, list[dict]], s: Scenario, engine: str, workers: int,
                   batch: int) -> list[float]:
-    """Each repeat's run of ``engine`` predicted from r1 and jitter of the same repeat's
-    compute-only runs (adjacent in time, alike in load), against its measured img/s: how
-    far two launches of one configuration apart can be, shown beside the error."""
-    runs = runs_by_setup(results["throughput"])
+    """Each repeat's run of ``engine`` (``runs``: throughput.runs_by_setup) predicted from
+    r1 and jitter of the same repeat's compute-only runs (adjacent in time, alike in
+    load), against its measured img/s: how far two launches of one configuration apart
+    can be, shown beside the error."""
     errors = []
     for run, alone in zip(runs[(engine, workers, batch, False)],
                           runs[(reference(engine), workers, batch, True)], strict=True):

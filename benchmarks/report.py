@@ -16,6 +16,8 @@ import argparse
 from pathlib import Path
 
 from benchmarks import plots, record
+from benchmarks.allreduce import wakeup
+from benchmarks.allreduce_ranks import COLD_BURST_SECONDS, COLD_BURSTS
 from trainer.stores import write_atomic
 
 DASH = "-"
@@ -197,16 +199,14 @@ def allreduce(r: dict) -> str:
 def cold(a: dict) -> str:
     """The gradient's allreduce after bursts of computing against back to back: what
     waking a transport's threads costs a step (the predictor's t_w)."""
-    if "cold" not in a:
+    woken = {t: wakeup(a, t) for t in a.get("cold", {})}
+    if not woken:
         return ""
-    rows = []
-    for t, c in a["cold"].items():
-        hot = next(x for x in a["transports"][t] if x["bytes"] == c["bytes"])["seconds"]
-        rows.append([t, millis(1e3 * c["seconds"], 3), millis(1e3 * hot, 3),
-                     millis(1e3 * max(0.0, c["seconds"] - hot), 3)])
-    return (f"The gradient's allreduce ({size(next(iter(a['cold'].values()))['bytes'])}) "
-            "after each of 20 bursts of 50 ms of computing (cold: the transport's threads "
-            "slept), against back to back; medians:\n\n"
+    rows = [[t, *(millis(1e3 * w[k], 3) for k in ("cold", "hot", "wakeup"))]
+            for t, w in woken.items()]
+    return (f"The gradient's allreduce ({size(next(iter(woken.values()))['bytes'])}) after "
+            f"each of {COLD_BURSTS} bursts of {1e3 * COLD_BURST_SECONDS:.0f} ms of computing "
+            "(cold: the transport's threads slept), against back to back; medians:\n\n"
             + table(["transport", "cold ms", "back to back ms", "t_w ms"], rows))
 
 

@@ -101,10 +101,12 @@ def links(prefix: str | re.Pattern) -> list[str]:
     return sorted(n for n in names if prefix.fullmatch(n))
 
 
-def delete_namespace(ns: str) -> list[int]:
-    """Stop every process in ``ns`` (its sshd, any job), then remove it; returns the pids."""
+def delete_namespace(ns: str, stops: tuple[tuple[int, float], ...] = (
+        (signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0))) -> list[int]:
+    """Stop every process in ``ns`` (its sshd, any job), then remove it; returns the pids.
+    ``stops``: the signals sent in turn, each with the seconds it has to end them all."""
     pids = [int(p) for p in ip("netns", "pids", ns).split()]
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
+    for sig, wait in stops:
         alive = [p for p in pids if _signal(p, sig)]
         deadline = time.monotonic() + wait
         while alive and time.monotonic() < deadline:

@@ -85,14 +85,21 @@ def test_bad_input_exits_2_before_any_process_group(tmp_path):
     assert not (tmp_path / "run" / "tensorboard").exists()
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (["train.batch_size=70000"], "global batch 70000 (train.batch_size=70000 x 1 workers"),
-    (["engine.backend=mpi"], "engine.backend=mpi averages gradients over MPI on CPUs: start "
-                             "the job with mpirun"),
+@pytest.mark.parametrize("overrides, launcher, expected", [
+    (["train.batch_size=70000"], "single",
+     "global batch 70000 (train.batch_size=70000 x 1 workers"),
+    (["engine.backend=mpi"], "single",
+     "engine.backend=mpi averages gradients over MPI on CPUs: start the job with mpirun"),
+    # Horovod 0.28 itself segfaults in its first broadcast here.
+    (["engine=horovod", "engine.backend=gloo"], "mpirun",
+     "engine=horovod engine.backend=gloo needs Horovod's Gloo controller: start the job "
+     "with horovodrun --gloo; under mpirun Horovod averages over MPI"),
 ])
 def test_what_only_the_launch_can_tell_is_refused_before_training(tmp_path, overrides,
-                                                                  expected):
-    run = run_trainer(tmp_path / "run", *overrides, expect=2, timeout=120)
+                                                                  launcher, expected):
+    nproc = 1 if launcher == "single" else 2
+    run = run_trainer(tmp_path / "run", *overrides, launcher=launcher, nproc=nproc, expect=2,
+                      timeout=120)
     assert expected in run.output and "Traceback" not in run.output
     assert not (tmp_path / "run" / "checkpoints").exists()
 

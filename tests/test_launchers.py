@@ -54,12 +54,14 @@ def test_horovodrun_with_a_hostfile(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine, backend", [("horovod", "mpi"), ("ddp", "gloo")])
-def test_mpirun(tmp_path, engine, backend):
+@pytest.mark.parametrize("engine, backend, transport", [
+    ("horovod", "mpi", "mpi"), ("horovod", "auto", "mpi"), ("ddp", "gloo", "gloo")])
+def test_mpirun(tmp_path, engine, backend, transport):
+    # Under mpirun, Horovod's controller is MPI, and so is its CPU allreduce by default.
     run = launch([str(BIN / "mpirun"), "-np", "2", "--oversubscribe",
                   *trainer(tmp_path, f"engine={engine}", f"engine.backend={backend}")], tmp_path)
     check_summary(run, engine)
-    assert run.summary["backend"] == backend
+    assert run.summary["backend"] == transport
 
 
 @pytest.mark.slow

@@ -59,8 +59,8 @@ class HorovodEngine(Engine):
         self.rank, self.world_size, self.local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
         if device.type == "cuda":
             self.backend = "nccl" if hvd.nccl_built() else "mpi"
-        else:
-            self.backend = os.environ.get("HOROVOD_CPU_OPERATIONS", "gloo").lower()
+        else:  # CPU tensors go the controller's way: MPI under mpirun, else Gloo
+            self.backend = "mpi" if hvd.mpi_enabled() else "gloo"
 
     def prepare(self, model: nn.Module, optimizer: Optimizer,
                 accumulation: int) -> tuple[nn.Module, Optimizer]:

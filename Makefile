@@ -29,7 +29,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
 help:
 	@echo "make train [NPROC=2] [ENGINE=ddp|horovod] [ARGS='dataset=cifar10 model=resnet20']"
-	@echo "make test          the whole suite (installs .venv and builds Horovod first)"
+	@echo "make test [TEST_JOBS=2]  the whole suite (installs .venv and builds Horovod first)"
 	@echo "make test-fast     without the slow multi-process tests"
 	@echo "make install       .venv with pinned versions (constraints.txt)"
 	@echo "make horovod       build Horovod 0.28.1 against the installed torch (cached)"

@@ -85,20 +85,13 @@ def _prepare(cfg: DictConfig, launch: runtime.Launch):
     if cfg.engine.name == "horovod":
         from trainer.engines.horovod import require_horovod
 
-        require_horovod()
+        require_horovod(cfg.engine, launch)
     device = runtime.pick_device(cfg.train.device, launch.local_rank)
     if cfg.engine.backend == "mpi" and (launch.launcher != "mpi" or device.type == "cuda"):
         raise ConfigError(
             f"engine.backend=mpi averages gradients over MPI on CPUs: start the job with "
             f"mpirun on CPU workers (here: {launch.launcher}, {device.type}); on GPUs NCCL "
             "is the fast path (engine.backend=auto)")
-    if cfg.engine.name == "horovod" and cfg.engine.backend == "gloo" and launch.launcher == "mpi":
-        # Horovod's Gloo operations need its Gloo controller, which only horovodrun --gloo
-        # starts; under mpirun they would run without one (Horovod 0.28 segfaults).
-        raise ConfigError(
-            "engine=horovod engine.backend=gloo needs Horovod's Gloo controller: start the "
-            "job with horovodrun --gloo; under mpirun Horovod averages over MPI "
-            "(engine.backend=mpi or auto)")
     runtime.set_threads(cfg.train.threads, launch.local_world_size)
     runtime.keep_freed_memory()
     dataset = datasets.load(cfg.dataset, cfg.data, cfg.train.seed)

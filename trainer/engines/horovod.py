@@ -27,13 +27,20 @@ BUILD_HINT = (
     "the wheel is cached, see README, 'Horovod'), or use engine=ddp.")
 
 
-def require_horovod() -> None:
-    """Fail before anything starts when Horovod cannot be imported."""
+def require_horovod(cfg: DictConfig, launch: Launch) -> None:
+    """Fail before anything starts when Horovod cannot run this job: not importable, or
+    asked for its Gloo operations under mpirun. Those need its Gloo controller, which
+    only horovodrun --gloo starts; without one Horovod 0.28 segfaults."""
     try:
         import horovod.torch  # noqa: F401
     except ImportError as e:
         raise ConfigError(f"engine=horovod, but Horovod is not installed here ({e}). "
                           f"{BUILD_HINT}") from e
+    if cfg.backend == "gloo" and launch.launcher == "mpi":
+        raise ConfigError(
+            "engine=horovod engine.backend=gloo needs Horovod's Gloo controller: start the "
+            "job with horovodrun --gloo; under mpirun Horovod averages over MPI "
+            "(engine.backend=mpi or auto)")
 
 
 class HorovodEngine(Engine):

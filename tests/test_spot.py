@@ -277,3 +277,25 @@ def test_the_watcher_survives_a_missed_first_probe_and_sees_a_rebalance_then_a_n
         watcher.close()
         imds.close()
     assert imds.requests[0] == ("PUT", "/latest/api/token", False)  # the one refused
+
+
+def test_close_waits_for_the_watcher(monkeypatch):
+    # A watcher thread still running at interpreter exit drops the last reference to the
+    # pending votes there, and freeing their tensor aborted runs that had succeeded.
+    from omegaconf import OmegaConf
+
+    from trainer.preemption import Preemption
+
+    imds = MetadataStub()
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", imds.url)
+    cfg = OmegaConf.create({"imds": True, "poll_seconds": 0.05, "check_every_steps": 1})
+    watcher = Preemption(cfg, OneRank(), local_rank=0)
+    try:
+        deadline = time.monotonic() + 10
+        while len(imds.requests) < 3 and time.monotonic() < deadline:  # it is polling
+            time.sleep(0.05)
+        watcher.decide()  # votes in flight, as at the end of every run
+        watcher.close()
+        assert "spot-notice-watcher" not in [t.name for t in threading.enumerate()]
+    finally:
+        imds.close()

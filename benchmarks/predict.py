@@ -40,7 +40,8 @@ run on the same cores: Horovod's negotiation cycle wakes every HOROVOD_CYCLE_TIM
 whether or not a tensor is ready. A worker given c cores for its `threads` compute
 threads, whose engine takes h cores in the background, keeps s = min(1, (c - h) /
 threads) of them. h is measured, not fitted: the CPU a transport's threads take from a
-program that keeps every core of the host computing (benchmarks/allreduce_ranks.py).
+program that keeps every core of the host computing (benchmarks/allreduce_ranks.py), or
+from the engine's own training runs where those took less (background_cores).
 On GPUs, and where cores are spare, s = 1.
 
 Time to train = samples x epochs / img/s; cost = nodes x hours x price per node-hour.
@@ -87,6 +88,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import statistics
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -271,7 +273,7 @@ def _this_machine(results: dict, engine: str, workers: int, batch: int, gradient
     latency, bandwidth = fit_alpha_beta(allreduce["transports"][transport], allreduce["ranks"])
     woken = wakeup(allreduce, transport)
     share = compute_share(results["machine"]["cores"] / workers, threads,
-                          allreduce["background_cpu_cores"][transport])
+                          background_cores(results, engine, workers, batch))
     return Scenario(
         f"this machine: {what}, 1 core per worker", batch, img_s,
         gradient, BUCKET_BYTES[engine], latency, bandwidth,
@@ -279,6 +281,29 @@ def _this_machine(results: dict, engine: str, workers: int, batch: int, gradient
         compute_share=share, wakeup_s=woken["wakeup"] if woken else 0.0, samples=60_000,
         epochs=2,
         source=f"{what}, {transport} allreduce fit")
+
+
+def background_cores(results: dict, engine: str, workers: int, batch: int) -> float:
+    """h, the CPU the engine's threads take while each worker computes: the smaller of
+    two measurements, neither exact.
+
+    - The transport's bursts (allreduce_ranks.py): a synthetic program whose figure
+      varies from second to second (Horovod over MPI: 0.25-0.37 within one minute,
+      against 0.27-0.33 in its training runs the same hour).
+    - The engine's own training runs with as many workers, one thread each, at the other
+      batch sizes, so that no run is predicted from itself (the trainer's summary.json,
+      the busiest rank's). They also count what the threads do while the loop waits for
+      the allreduce, which the model charges apart (t_x), so they overstate h: by far
+      where the threads sleep through the compute, as Gloo's do (0.05-0.07 against
+      0.002).
+
+    A run's predicted img/s moves about 7% per 0.05 of h, so the overstatement matters."""
+    burst = results["allreduce"]["background_cpu_cores"][ENGINE_TRANSPORT[engine]]
+    trained = [r["other_threads_cores"] for r in results["throughput"]["runs"]
+               if (r["engine"], r["workers"], r["threads"], r["independent"])
+               == (engine, workers, 1, False)
+               and r["batch"] != batch and r.get("other_threads_cores") is not None]
+    return min([burst, statistics.median(trained)] if trained else [burst])
 
 
 def validate_machine(results: dict) -> list[dict]:

@@ -127,10 +127,13 @@ class Run:
     per_worker: list[float]  # img/s per worker of every measured interval
     commands: list[str]
     dirs: list[str] = field(default_factory=list)
+    # CPU cores the engine's threads took beside the training loop, the busiest rank's
+    # (the trainer's summary.json); None for the plain loop and compute-only runs.
+    other_threads_cores: float | None = None
 
     def to_json(self) -> dict:
         return {**asdict(self.setup), "per_worker": self.per_worker, "commands": self.commands,
-                "dirs": self.dirs}
+                "dirs": self.dirs, "other_threads_cores": self.other_threads_cores}
 
 
 def shown(command: list[str], env: dict[str, str] | None = None) -> str:
@@ -226,8 +229,12 @@ def measure(setup: Setup, workload: Workload, timing: Timing, run_dir: Path) -> 
     for out, d in zip(run_together(commands), dirs, strict=True):
         per_worker += [rate / workers for step, rate in intervals_of(
             ENGINES[setup.engine].program, d, out) if step > timing.warmup_steps]
+    others = None
+    if ENGINES[setup.engine].program == "trainer" and not setup.independent:
+        others = max(json.loads((run_dir / "summary.json").read_text())["other_threads_cores"])
     return Run(setup, per_worker, [shown(c) for c in commands],
-               [str(d.relative_to(REPO)) if d.is_relative_to(REPO) else str(d) for d in dirs])
+               [str(d.relative_to(REPO)) if d.is_relative_to(REPO) else str(d) for d in dirs],
+               others)
 
 
 def gradient_bytes(workload: Workload) -> int:

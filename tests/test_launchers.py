@@ -18,6 +18,9 @@ def check_summary(run: Run, engine: str) -> None:
     assert summary["world_size"] == 2 and summary["global_batch"] == 64
     assert summary["engine"] == engine and summary["steps"] == 12
     assert 0 <= summary["test_accuracy"] <= 1 and summary["images_per_second"] > 0
+    # Every rank's, in cores: 1 training thread each, so the engine's threads alone.
+    assert len(summary["other_threads_cores"]) == 2
+    assert all(0 <= c < 2 for c in summary["other_threads_cores"])
 
 
 def launch(cmd: list[str], run_dir, timeout: float = 300) -> Run:
@@ -62,6 +65,8 @@ def test_mpirun(tmp_path, engine, backend, transport):
                   *trainer(tmp_path, f"engine={engine}", f"engine.backend={backend}")], tmp_path)
     check_summary(run, engine)
     assert run.summary["backend"] == transport
+    if engine == "horovod":  # its background loop negotiates every millisecond
+        assert min(run.summary["other_threads_cores"]) > 0.01, run.summary
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import pytest
 from benchmarks.allreduce import bandwidth
 from benchmarks.predict import (
     PRESETS,
+    background_cores,
     compute_share,
     cost_optimal,
     expected_max_of_normals,
@@ -106,11 +107,34 @@ def test_the_engines_threads_are_charged_to_launches_apart_not_to_one_job():
     busier = copy.deepcopy(results)
     for transport in busier["allreduce"]["background_cpu_cores"]:
         busier["allreduce"]["background_cpu_cores"][transport] = 0.5
+    for run in busier["throughput"]["runs"]:
+        run["other_threads_cores"] = 0.5
     assert validate_split(results) and validate_split(busier) == validate_split(results)
     machine = validate_machine(results)
     assert machine
     for before, after in zip(machine, validate_machine(busier), strict=True):
         assert after["predicted"] < before["predicted"]
+
+
+def test_the_engines_threads_take_the_smaller_of_bursts_and_its_other_training_runs():
+    """h for a configuration: its engine's training runs at the other batch sizes (never
+    the run predicted), where they read less than the bursts; else the bursts."""
+    results = json.loads((REPO / "benchmarks/results/reference/results.json").read_text())
+    results["allreduce"]["background_cpu_cores"]["horovod-mpi"] = 0.35
+    by_batch = {32: 0.1, 64: 0.2, 128: 0.9}
+    for run in results["throughput"]["runs"]:
+        if (run["engine"], run["workers"], run["independent"]) == ("horovod-mpi", 2, False):
+            run["other_threads_cores"] = by_batch[run["batch"]]
+    assert background_cores(results, "horovod-mpi", 2, 32) == pytest.approx(0.35)  # 0.55
+    assert background_cores(results, "horovod-mpi", 2, 64) == pytest.approx(0.35)  # 0.5
+    assert background_cores(results, "horovod-mpi", 2, 128) == pytest.approx(0.15)
+    lower = {r["case"]: r["compute_share"] for r in validate_machine(results)}
+    assert lower["this machine, horovod-mpi, batch 128"] == pytest.approx(0.85)
+    assert lower["this machine, horovod-mpi, batch 64"] == pytest.approx(0.65)
+    # Two threads per worker: the trainer's figure counts torch's pool too. Not used.
+    for run in results["throughput"]["runs"]:
+        run["threads"] = 2
+    assert background_cores(results, "horovod-mpi", 2, 128) == pytest.approx(0.35)
 
 
 def test_waking_the_transports_threads_costs_each_multi_worker_step_cold_minus_hot():

@@ -57,22 +57,35 @@ class Position:
 
 class Stopwatch:
     """Wall time of training steps only: paused around evaluation and checkpoints.
-    Waits for the GPU at each pause, so asynchronous kernels are counted."""
+    Waits for the GPU at each pause, so asynchronous kernels are counted.
+
+    Also the CPU time the process's other threads took meanwhile: the engine's
+    transport threads (Horovod's background loop, Gloo's), and torch's intra-op pool
+    where train.threads > 1. On CPU workers they share the training loop's cores:
+    benchmarks/predict.py charges them to its compute."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.total = 0.0
+        self.other_threads_cpu = 0.0
         self._start: float | None = None
+        self._others_at_start = 0.0
+
+    @staticmethod
+    def _other_threads_cpu() -> float:
+        return time.process_time() - time.thread_time()
 
     def start(self) -> None:
         if self._start is None:
             self._start = time.perf_counter()
+            self._others_at_start = self._other_threads_cpu()
 
     def pause(self) -> None:
         if self._start is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.total += time.perf_counter() - self._start
+            self.other_threads_cpu += self._other_threads_cpu() - self._others_at_start
             self._start = None
 
     def read(self) -> float:
@@ -182,6 +195,9 @@ class Trainer:
             self._checkpoint()
         steps = pos.step - start_step
         seconds = self.stopwatch.total
+        # Every rank's: a synchronous step goes at the pace of the rank they slow most.
+        others = self.engine.all_gather_object(
+            round(self.stopwatch.other_threads_cpu / max(seconds, 1e-9), 4))
         return {
             "test_accuracy": test["accuracy"],
             "test_loss": test["loss"],
@@ -190,6 +206,7 @@ class Trainer:
             "images_per_second_per_worker":
                 steps * self.global_batch / max(seconds, 1e-9) / self.world_size,
             "world_size": self.world_size,
+            "other_threads_cores": others,
             "global_batch": self.global_batch,
             "batch_size": cfg.train.batch_size,
             "accumulation": cfg.train.accumulation,

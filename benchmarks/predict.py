@@ -303,7 +303,7 @@ def background_cores(results: dict, engine: str, workers: int, batch: int) -> fl
                if (r["engine"], r["workers"], r["threads"], r["independent"])
                == (engine, workers, 1, False)
                and r["batch"] != batch and r.get("other_threads_cores") is not None]
-    return min([burst, statistics.median(trained)] if trained else [burst])
+    return min(burst, statistics.median(trained)) if trained else burst
 
 
 def validate_machine(results: dict) -> list[dict]:

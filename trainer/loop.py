@@ -195,16 +195,17 @@ class Trainer:
             self._checkpoint()
         steps = pos.step - start_step
         seconds = self.stopwatch.total
+        timed = max(seconds, 1e-9)  # a run resumed at its last step trains for no time
+        images_per_second = steps * self.global_batch / timed
         # Every rank's: a synchronous step goes at the pace of the rank they slow most.
         others = self.engine.all_gather_object(
-            round(self.stopwatch.other_threads_cpu / max(seconds, 1e-9), 4))
+            round(self.stopwatch.other_threads_cpu / timed, 4))
         return {
             "test_accuracy": test["accuracy"],
             "test_loss": test["loss"],
             "train_seconds": seconds,
-            "images_per_second": steps * self.global_batch / max(seconds, 1e-9),
-            "images_per_second_per_worker":
-                steps * self.global_batch / max(seconds, 1e-9) / self.world_size,
+            "images_per_second": images_per_second,
+            "images_per_second_per_worker": images_per_second / self.world_size,
             "world_size": self.world_size,
             "other_threads_cores": others,
             "global_batch": self.global_batch,

@@ -24,7 +24,10 @@ does the median CPU a transport's threads take from a program that computes
 (`background_cpu_cores`, in cores; see allreduce_ranks.py), and with --cold-bytes the
 median time of that size's allreduce after bursts of computing (`cold`).
 Each row also says how it compares with the best transport at that size (busbw / best
-busbw; the trainer's path is compared, never the best).
+busbw; the trainer's path is compared, never the best). The trainer's path is compared
+through the transport it goes over, timed in the same process between its loops
+(allreduce_ranks.py): of_best = of_transport x that transport's of_best, so the host's
+speed, which changes between launches, cancels out of the path's overhead.
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ TRANSPORTS = {  # name: (launcher, what allreduce_ranks runs, environment)
     "nccl": ("torchrun", "nccl", {}),
     "trainer-mpi": ("mpirun", "trainer-mpi", {}),
 }
-TRAINER_PATHS = {"trainer-mpi"}  # measured like the transports, but not one of them
+# Measured like the transports, but not one of them: the trainer's path, and the
+# transport it goes over (timed beside it in the same process).
+TRAINER_PATHS = {"trainer-mpi": "mpi"}
 # The transport each training engine's gradients travel by.
 ENGINE_TRANSPORT = {"ddp": "gloo", "ddp-mpi": "trainer-mpi", "plain": "gloo",
                     "horovod-gloo": "horovod-gloo", "horovod-mpi": "horovod-mpi"}
@@ -90,6 +95,7 @@ def measure(transports: list[str], ranks: int, message_sizes: list[int], budget:
     if cold_bytes is not None:
         message_sizes = sorted({*message_sizes, cold_bytes})
     seconds: dict[str, dict[int, list[float]]] = {t: {} for t in transports}
+    of_transport: dict[str, dict[int, list[float]]] = {t: {} for t in transports}
     background: dict[str, list[float]] = {t: [] for t in transports}
     cold: dict[str, list[float]] = {t: [] for t in transports}
     commands: dict[str, str] = {}
@@ -99,6 +105,9 @@ def measure(transports: list[str], ranks: int, message_sizes: list[int], budget:
                                                cold_bytes)
             for row in result["results"]:
                 seconds[transport].setdefault(row["bytes"], []).append(row["seconds"])
+                if "of_transport" in row:
+                    of_transport[transport].setdefault(row["bytes"], []).append(
+                        row["of_transport"])
             background[transport].append(result["background_cpu_cores"])
             if result["cold"]:
                 cold[transport].append(result["cold"]["seconds"])
@@ -108,7 +117,11 @@ def measure(transports: list[str], ranks: int, message_sizes: list[int], budget:
                   + f"; its threads take {result['background_cpu_cores']:.2f} cores from "
                   "computing", flush=True)
     rows = {t: [{"bytes": n, "seconds": statistics.median(s), "seconds_per_repeat": s,
-                 **bandwidth(n, statistics.median(s), ranks)} for n, s in sorted(by_size.items())]
+                 **bandwidth(n, statistics.median(s), ranks),
+                 **({"of_transport": statistics.median(of_transport[t][n]),
+                     "of_transport_per_repeat": of_transport[t][n]}
+                    if n in of_transport[t] else {})}
+                for n, s in sorted(by_size.items())]
             for t, by_size in seconds.items()}
     for n in {r["bytes"] for rs in rows.values() for r in rs}:
         at_n = {t: r for t, rs in rows.items() for r in rs if r["bytes"] == n}
@@ -116,6 +129,9 @@ def measure(transports: list[str], ranks: int, message_sizes: list[int], budget:
                    default=None)
         for r in at_n.values():
             r["of_best"] = r["busbw_gbps"] / best if best else None
+        for path, over in TRAINER_PATHS.items():
+            if path in at_n and over in at_n and "of_transport" in at_n[path]:
+                at_n[path]["of_best"] = at_n[path]["of_transport"] * at_n[over]["of_best"]
     return {"ranks": ranks, "budget_seconds": budget, "repeats": repeats, "loops": LOOPS,
             "commands": commands, "transports": rows,
             "background_cpu_cores": {t: statistics.median(v) for t, v in background.items()},

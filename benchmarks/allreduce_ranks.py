@@ -17,6 +17,14 @@ would otherwise decide a comparison of two transports (issue 6's target). Buffer
 zeros, so sums never overflow into infinities. Rank 0 prints one JSON line: seconds per
 call per size.
 
+The trainer's own path (trainer-mpi) is also compared with the transport it goes over,
+in the same process: each of its loops is followed by a loop of the same calls made
+directly over that transport on the same buffer, and `of_transport` is the median of
+the loops' ratios (transport's time / path's). On this VM a shared-memory allreduce
+runs at one of two speeds, 4x apart, for tens of seconds at a time (738 KB: 0.095 or
+0.40 ms, whole launches of raw mpi4py either way), so two launches minutes apart may
+compare two speeds of the host rather than two paths.
+
 Then every rank works as in training for --busy seconds: bursts of computation (matrix
 products on its one thread, keeping its core busy), each followed by a small allreduce,
 as a step's backward is followed by its gradients' allreduce. It reports the CPU the
@@ -130,6 +138,10 @@ class TrainerMPI(MPI):
     def allreduce(self, buf: torch.Tensor) -> None:
         self.sums.sum_(buf)
 
+    def allreduce_transport(self, buf: torch.Tensor) -> None:
+        """The same sum made directly over mpi4py, to compare with in the same process."""
+        MPI.allreduce(self, buf.numpy())
+
 
 class Horovod:
     """Horovod's allreduce on CPU tensors, over Gloo or MPI (HOROVOD_CPU_OPERATIONS),
@@ -178,16 +190,29 @@ def time_allreduce(transport, nbytes: int, budget: float) -> dict:
     # Every rank must make the same number of calls: agree on the slowest first call.
     once = transport.max(time.perf_counter() - start)
     calls = min(MAX_CALLS, max(MIN_CALLS, math.ceil(budget / LOOPS / max(once, 1e-9))))
-    per_call = []
+    direct = getattr(transport, "allreduce_transport", None)  # a trainer path's transport
+    per_call, direct_per_call = [], []
     for _ in range(LOOPS):
-        transport.max(0.0)  # line the ranks up before the clock starts
-        start = time.perf_counter()
-        for _ in range(calls):
-            transport.allreduce(buf)
-        transport.wait()
-        per_call.append(transport.max((time.perf_counter() - start) / calls))
-    return {"bytes": buf.nbytes, "seconds": statistics.median(per_call),
-            "seconds_per_loop": per_call, "calls": calls * LOOPS}
+        per_call.append(_loop_seconds(transport, transport.allreduce, buf, calls))
+        if direct:
+            direct_per_call.append(_loop_seconds(transport, direct, buf, calls))
+    out = {"bytes": buf.nbytes, "seconds": statistics.median(per_call),
+           "seconds_per_loop": per_call, "calls": calls * LOOPS}
+    if direct:
+        out["transport_seconds_per_loop"] = direct_per_call
+        out["of_transport"] = statistics.median(
+            [d / t for d, t in zip(direct_per_call, per_call, strict=True)])
+    return out
+
+
+def _loop_seconds(transport, allreduce, buf, calls: int) -> float:
+    """One timed loop of ``calls`` allreduces: the slowest rank's seconds per call."""
+    transport.max(0.0)  # line the ranks up before the clock starts
+    start = time.perf_counter()
+    for _ in range(calls):
+        allreduce(buf)
+    transport.wait()
+    return transport.max((time.perf_counter() - start) / calls)
 
 
 def background_cpu_cores(transport, seconds: float, burst: float = 0.025) -> float:

@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 
 from benchmarks import plots, record
-from benchmarks.allreduce import wakeup
+from benchmarks.allreduce import TRAINER_PATHS, wakeup
 from benchmarks.allreduce_ranks import COLD_BURST_SECONDS, COLD_BURSTS
 from trainer.stores import write_atomic
 
@@ -188,12 +188,34 @@ def allreduce(r: dict) -> str:
         "Bus bandwidth, GB/s:\n\n" + table(["size", *names], cells("busbw_gbps")),
         "Algorithm bandwidth, GB/s:\n\n" + table(["size", *names], cells("algbw_gbps")),
         "![busbw against size](allreduce.png)",
+        paths(a, gradient),
         "CPU the transport's own threads take from a program that computes on every core "
         "(median, cores; the predictor takes it from the workers' compute): "
         + ", ".join(f"{t} {a['background_cpu_cores'][t]:.2f}" for t in names) + ".",
         cold(a),
         commands("exact commands", list(a["commands"].values())),
     ])
+
+
+def paths(a: dict, gradient: int | None) -> str:
+    """The trainer's paths against the transport each goes over, timed in the same
+    process (allreduce_ranks.py): the overhead of the path, whatever the host's speed."""
+    at_gradient = {path: next((r for r in a["transports"].get(path, [])
+                               if r["bytes"] == gradient and "of_transport" in r), None)
+                   for path in TRAINER_PATHS}
+    rows = [(path, over, at_gradient[path]) for path, over in TRAINER_PATHS.items()
+            if at_gradient[path]]
+    if not rows:
+        return ""
+    return (f"The trainer's path against the transport it goes over, timed in turn in the "
+            f"same process at the gradient size ({size(gradient)}), transport's time / "
+            "path's, median (lowest to highest) over repeats: "
+            + ", ".join(f"{path} {r['of_transport']:.2f}x of {over} "
+                        f"({min(r['of_transport_per_repeat']):.2f} to "
+                        f"{max(r['of_transport_per_repeat']):.2f})"
+                        for path, over, r in rows)
+            + "; its busbw above is its own launches', its of_best this ratio times its "
+              "transport's.")
 
 
 def cold(a: dict) -> str:

@@ -200,11 +200,9 @@ def allreduce(r: dict) -> str:
 def paths(a: dict, gradient: int | None) -> str:
     """The trainer's paths against the transport each goes over, timed in the same
     process (allreduce_ranks.py): the overhead of the path, whatever the host's speed."""
-    at_gradient = {path: next((r for r in a["transports"].get(path, [])
-                               if r["bytes"] == gradient and "of_transport" in r), None)
-                   for path in TRAINER_PATHS}
-    rows = [(path, over, at_gradient[path]) for path, over in TRAINER_PATHS.items()
-            if at_gradient[path]]
+    rows = [(path, over, r) for path, over in TRAINER_PATHS.items()
+            for r in a["transports"].get(path, [])
+            if r["bytes"] == gradient and "of_transport" in r]
     if not rows:
         return ""
     return (f"The trainer's path against the transport it goes over, timed in turn in the "

@@ -74,10 +74,15 @@ def describe() -> dict:
         "mpi": mpirun.stdout.splitlines()[0] if mpirun.returncode == 0 else None,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available()
         else None,
-        # Results folders are what a run writes, not code: refreshing the committed
-        # reference rewrites one, which does not make the code uncommitted.
-        "commit": _git("rev-parse", "--short", "HEAD") + (
-            " (with uncommitted changes)"
-            if _git("status", "--porcelain", "--", ".", ":!benchmarks/results") else ""),
+        "commit": commit(),
         "load_average": load_average(),
     }
+
+
+def commit() -> str:
+    """The code's commit, and whether it had uncommitted changes. Results folders are what
+    a run writes, not code: refreshing the committed reference rewrites one, which does
+    not make the code uncommitted."""
+    return _git("rev-parse", "--short", "HEAD") + (
+        " (with uncommitted changes)"
+        if _git("status", "--porcelain", "--", ".", ":!benchmarks/results") else "")

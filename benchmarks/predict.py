@@ -28,7 +28,10 @@ Every step, each of the N = nodes x gpus_per_node workers
                   sigma e_N late, e_N = E[max of N standard normals] (0, 0.56, 1.03,
                   1.42, 2.59, 3.04 for N = 1, 2, 4, 8, 128, 512)
     and pays      c 2(N-1) alpha for c other blocking small allreduces per step (the
-                  trainer's spot-notice vote: c = 1; the plain loop: 0)
+                  trainer's spot-notice vote where it blocks, summed at once over MPI
+                  by engine=ddp engine.backend=mpi: c = 1; over Gloo and Horovod it is
+                  sent at a step's end and read a step later, while the next step
+                  computes: c = 0; the plain loop: 0)
     and wakes     the transport's threads, which slept through the compute: t_w, what
                   an allreduce of the gradient after compute takes over a back-to-back
                   one (measured, benchmarks/allreduce_ranks.py; 0 where not measured)
@@ -106,8 +109,11 @@ BUCKET_BYTES = {"ddp": 25 * 2**20, "ddp-mpi": 25 * 2**20, "plain": 25 * 2**20,
                 "horovod-gloo": 128 * 2**20, "horovod-mpi": 128 * 2**20}
 
 
-# The trainer runs one more small allreduce per step: trainer/loop.py's spot-notice vote.
-TRAINER_COLLECTIVES_PER_STEP = 1
+# The trainer's spot-notice vote (trainer/preemption.py) is one more small allreduce per
+# step. It blocks only where the engine sums at once (Engine.start_sum's default, which
+# engine=ddp engine.backend=mpi keeps); the others send it without waiting and read it a
+# step later, while the next step computes.
+BLOCKING_COLLECTIVES_PER_STEP = {"ddp-mpi": 1}
 
 
 @dataclass(frozen=True)
@@ -265,7 +271,7 @@ def machine_scenario(results: dict, engine: str, workers: int, batch: int,
 def _this_machine(results: dict, engine: str, workers: int, batch: int, gradient: float,
                   img_s: float, jitter: float, threads: int, what: str) -> Scenario:
     """alpha and beta fitted to the engine's transport, the engine's bucket, the
-    trainer's extra collective, the share of its core each worker keeps from the
+    trainer's vote where it blocks, the share of its core each worker keeps from the
     transport's background threads, and what waking them costs a step; the rest as
     given."""
     allreduce = results["allreduce"]
@@ -277,7 +283,7 @@ def _this_machine(results: dict, engine: str, workers: int, batch: int, gradient
     return Scenario(
         f"this machine: {what}, 1 core per worker", batch, img_s,
         gradient, BUCKET_BYTES[engine], latency, bandwidth,
-        jitter=jitter, collectives=0 if engine == "plain" else TRAINER_COLLECTIVES_PER_STEP,
+        jitter=jitter, collectives=BLOCKING_COLLECTIVES_PER_STEP.get(engine, 0),
         compute_share=share, wakeup_s=woken["wakeup"] if woken else 0.0, samples=60_000,
         epochs=2,
         source=f"{what}, {transport} allreduce fit")

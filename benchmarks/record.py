@@ -53,12 +53,16 @@ def _new_folder(name: str | None = None, kind: str = "bench") -> Path:
     return folder
 
 
-def _begin() -> dict:
-    """The header of a results.json: the machine, the command, the start."""
+def this_command() -> str:
+    """How this process was started, as a user would type it."""
     main = sys.modules["__main__"]
     module = main.__spec__.name if getattr(main, "__spec__", None) else Path(sys.argv[0]).stem
-    command = [Path(sys.executable).name, "-m", module, *sys.argv[1:]]
-    return {"command": shown(command), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    return shown([Path(sys.executable).name, "-m", module, *sys.argv[1:]])
+
+
+def _begin() -> dict:
+    """The header of a results.json: the machine, the command, the start."""
+    return {"command": this_command(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "start_time": time.time(), "machine": machine.describe()}
 
 

@@ -81,7 +81,10 @@ def header(folder: Path, r: dict) -> str:
         f"# Benchmarks: {folder.name}",
         f"`{r['command']}`, started {r['started']}, {r['wall_seconds']:.0f} s"
         f"{', quick' if r.get('quick') else ''}. Load average (1, 5, 15 min) {load}: "
-        f"above {m['cores']} means other work shared the machine.",
+        f"above {m['cores']} means other work shared the machine."
+        + (f" Predictions and targets recomputed from these measurements by "
+           f"`{d['command']}` at commit {d['commit']}, {d['at']}."
+           if (d := r.get("derived")) else ""),
         "## Machine",
         table(["", ""], [
             ["CPU", f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB"],
@@ -276,8 +279,9 @@ def prediction(r: dict) -> str:
         "that computes, measured with the allreduce); per repeat = each repeat's run "
         "predicted from the same repeat's compute-only runs: median (lowest to highest), how "
         "far launches of one configuration fall apart; wait = the slowest worker's lateness; "
-        "comm = gradients + the trainer's per-step vote + waking the transport's threads "
-        "(a cold allreduce over a back-to-back one); measured comm = step - compute above.",
+        "comm = gradients + the trainer's per-step vote where it blocks (over MPI) + waking "
+        "the transport's threads (a cold allreduce over a back-to-back one); measured comm "
+        "= step - compute above.",
         table(["engine", "batch", "measured img/s", "predicted", "error", "per repeat",
                "jitter", "core kept", "wait ms", "comm ms", "measured comm ms",
                "predicted, compute alone", "alpha us", "beta GB/s"], machine) if machine else "",

@@ -23,7 +23,8 @@ In order, into benchmarks/results/<time>-bench[-quick]/results.json:
     targets         issue 6's targets, computed from the above
 
 `python -m benchmarks.suite --derive RUN` recomputes the last three from RUN's
-measurements.
+measurements (after a change to the predictor) and records its command and commit
+beside the measurements' own; the report shows both.
 
 On a shared machine, run it when it is quiet (`uptime`): results.json records the
 load average at the start and the end.
@@ -34,12 +35,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import time
 from dataclasses import replace
 from pathlib import Path
 
 from benchmarks import (
     allreduce,
     batch_sizes,
+    machine,
     mnist_engines,
     predict,
     record,
@@ -159,7 +162,13 @@ def main() -> None:
                    "RUN's results.json (after a change to the predictor, say); measure nothing")
     args = p.parse_args()
     if args.derive:
-        record.save(record.find(args.derive), derive(record.load(record.find(args.derive))))
+        folder = record.find(args.derive)
+        results = record.load(folder)
+        # The measurements keep their own header; the derived sections say what made them.
+        results["derived"] = {"command": record.this_command(),
+                              "at": time.strftime("%Y-%m-%d %H:%M:%S"),
+                              "commit": machine.commit()}
+        record.save(folder, derive(results))
         return
     record.write(args.name, "bench-quick" if args.quick else "bench",
                  lambda folder: measure(args, folder), derive)

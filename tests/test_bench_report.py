@@ -4,6 +4,7 @@ kept lean, from `benchmarks.suite` to `benchmarks.report`."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.allreduce import TRAINER_PATHS
+from benchmarks.predict import validate_machine
 from tests.conftest import REPO
 
 REFERENCE = REPO / "benchmarks" / "results" / "reference"
@@ -199,6 +201,33 @@ def test_the_report_is_rendered_from_results_json_alone(tmp_path):
                    check=True, capture_output=True)
     assert check_report(tmp_path) > 100
     check_plots(tmp_path)
+
+
+def test_derive_recomputes_the_predictions_and_says_what_made_them(tmp_path):
+    """After a change to the predictor, `suite --derive` redoes what is computed from a
+    run's measurements, leaves the measurements as they were, and the report names the
+    command and commit that derived them beside the run's own."""
+    results = json.loads((REFERENCE / "results.json").read_text())
+    stale = copy.deepcopy(results)
+    stale.pop("derived", None)
+    for row in stale["prediction"]["machine"]:
+        row["predicted"] = row["error"] = -1.0
+    (tmp_path / "results.json").write_text(json.dumps(stale))
+    for module in ("benchmarks.suite", "--derive", str(tmp_path)), ("benchmarks.report",
+                                                                   str(tmp_path)):
+        subprocess.run([sys.executable, "-m", *module], cwd=REPO, check=True,
+                       capture_output=True)
+    derived = json.loads((tmp_path / "results.json").read_text())
+    measured = ("throughput", "allreduce", "step_split", "batch_sizes", "machine", "command")
+    assert {k: derived[k] for k in measured} == {k: results[k] for k in measured}
+    assert derived["prediction"]["machine"] == validate_machine(results)
+    assert derived["derived"]["command"] == f"python -m benchmarks.suite --derive {tmp_path}"
+    assert re.fullmatch(r"[0-9a-f]{7,}( \(with uncommitted changes\))?",
+                        derived["derived"]["commit"])
+    header = (tmp_path / "report.md").read_text().split("## Machine")[0]
+    assert (f"recomputed from these measurements by `{derived['derived']['command']}` at "
+            f"commit {derived['derived']['commit']}") in header
+    assert check_report(tmp_path) > 100
 
 
 @pytest.mark.slow

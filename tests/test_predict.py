@@ -20,6 +20,7 @@ from benchmarks.predict import (
     cost_optimal,
     expected_max_of_normals,
     fit_alpha_beta,
+    machine_scenario,
     predict,
     ring_allreduce_seconds,
     step_seconds,
@@ -164,6 +165,23 @@ def test_waking_the_transports_threads_costs_each_multi_worker_step_cold_minus_h
     assert step_seconds(woken, 1) == step_seconds(s, 1)
     assert step_seconds(woken, 8)["communication"] == pytest.approx(
         step_seconds(s, 8)["communication"] + 0.004)
+
+
+def test_the_trainers_vote_is_charged_only_where_it_blocks():
+    """Over Gloo the trainer's vote is read a step after it is sent (trainer/preemption.py):
+    the trainer is predicted to communicate as long as the plain loop, which has no vote.
+    Over MPI engine=ddp sums it at once: a 2-rank ring's 2 alpha more per step."""
+    results = json.loads((REPO / "benchmarks/results/reference/results.json").read_text())
+    rows = {(r["engine"], r["batch"]): r for r in validate_machine(results)}
+    assert rows
+    for (engine, batch), row in rows.items():
+        if engine == "ddp":
+            assert row["communication_ms"] == pytest.approx(
+                rows[("plain", batch)]["communication_ms"])
+    for batch in (32, 64, 128):
+        s = machine_scenario(results, "ddp-mpi", 2, batch)
+        assert step_seconds(s, 2)["communication"] == pytest.approx(
+            step_seconds(replace(s, collectives=0), 2)["communication"] + 2 * s.latency_s)
 
 
 def test_more_nodes_are_faster_but_less_efficient():

@@ -47,13 +47,28 @@ def write(name: str | None, kind: str, measure: Callable[[Path], dict],
     return results
 
 
+def rederive(folder: Path, derive: Callable[[dict], dict]) -> dict:
+    """Redo what ``derive`` computes from a results folder's measurements (after a change
+    to the predictor, say). The measurements keep their own header; "derived" says which
+    command and commit made the rest, and when."""
+    results = load(folder)
+    results["derived"] = {"command": _command(), "at": _now(), "commit": machine.commit()}
+    results = derive(results)
+    save(folder, results)
+    return results
+
+
 def _new_folder(name: str | None = None, kind: str = "bench") -> Path:
     folder = RESULTS / (name or f"{time.strftime('%Y%m%d-%H%M%S')}-{kind}")
     folder.mkdir(parents=True, exist_ok=name is not None)
     return folder
 
 
-def this_command() -> str:
+def _now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _command() -> str:
     """How this process was started, as a user would type it."""
     main = sys.modules["__main__"]
     module = main.__spec__.name if getattr(main, "__spec__", None) else Path(sys.argv[0]).stem
@@ -62,12 +77,12 @@ def this_command() -> str:
 
 def _begin() -> dict:
     """The header of a results.json: the machine, the command, the start."""
-    return {"command": this_command(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    return {"command": _command(), "started": _now(),
             "start_time": time.time(), "machine": machine.describe()}
 
 
 def _finish(folder: Path, results: dict) -> Path:
-    results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    results["finished"] = _now()
     results["wall_seconds"] = round(time.time() - results.pop("start_time"), 1)
     results["machine"]["load_average_end"] = machine.load_average()
     path = save(folder, results)

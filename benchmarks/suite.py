@@ -35,14 +35,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from dataclasses import replace
 from pathlib import Path
 
 from benchmarks import (
     allreduce,
     batch_sizes,
-    machine,
     mnist_engines,
     predict,
     record,
@@ -162,13 +160,7 @@ def main() -> None:
                    "RUN's results.json (after a change to the predictor, say); measure nothing")
     args = p.parse_args()
     if args.derive:
-        folder = record.find(args.derive)
-        results = record.load(folder)
-        # The measurements keep their own header; the derived sections say what made them.
-        results["derived"] = {"command": record.this_command(),
-                              "at": time.strftime("%Y-%m-%d %H:%M:%S"),
-                              "commit": machine.commit()}
-        record.save(folder, derive(results))
+        record.rederive(record.find(args.derive), derive)
         return
     record.write(args.name, "bench-quick" if args.quick else "bench",
                  lambda folder: measure(args, folder), derive)

@@ -21,7 +21,9 @@ Transports, each started by its launcher (benchmarks/allreduce_ranks.py does the
 Every size of every transport is measured --repeats times, transports interleaved;
 the median over repeats of each run's median loop counts (allreduce_ranks.py). So
 does the median CPU a transport's threads take from a program that computes
-(`background_cpu_cores`, in cores; see allreduce_ranks.py), and with --cold-bytes the
+(`background_cpu_cores`, in cores; see allreduce_ranks.py), what one more allreduce
+sent while it computes takes from it (`response_cpu_seconds`, for the transports that
+can send without waiting: Gloo and Horovod's), and with --cold-bytes the
 median time of that size's allreduce after bursts of computing (`cold`).
 Each row also says how it compares with the best transport at that size (busbw / best
 busbw; the trainer's path is compared, never the best). The trainer's path is compared
@@ -97,6 +99,7 @@ def measure(transports: list[str], ranks: int, message_sizes: list[int], budget:
     seconds: dict[str, dict[int, list[float]]] = {t: {} for t in transports}
     of_transport: dict[str, dict[int, list[float]]] = {t: {} for t in transports}
     background: dict[str, list[float]] = {t: [] for t in transports}
+    response_cpu: dict[str, list[float]] = {t: [] for t in transports}
     cold: dict[str, list[float]] = {t: [] for t in transports}
     commands: dict[str, str] = {}
     for repeat in range(repeats):
@@ -109,6 +112,8 @@ def measure(transports: list[str], ranks: int, message_sizes: list[int], budget:
                     of_transport[transport].setdefault(row["bytes"], []).append(
                         row["of_transport"])
             background[transport].append(result["background_cpu_cores"])
+            if result["response_cpu_seconds"] is not None:
+                response_cpu[transport].append(result["response_cpu_seconds"])
             if result["cold"]:
                 cold[transport].append(result["cold"]["seconds"])
             print(f"[{repeat + 1}/{repeats}] allreduce over {transport}: "
@@ -135,6 +140,8 @@ def measure(transports: list[str], ranks: int, message_sizes: list[int], budget:
     return {"ranks": ranks, "budget_seconds": budget, "repeats": repeats, "loops": LOOPS,
             "commands": commands, "transports": rows,
             "background_cpu_cores": {t: statistics.median(v) for t, v in background.items()},
+            "response_cpu_seconds": {t: statistics.median(v) for t, v in response_cpu.items()
+                                     if v},
             **({"cold": {t: {"bytes": cold_bytes, "seconds": statistics.median(v),
                              "seconds_per_repeat": v} for t, v in cold.items()}}
                if cold_bytes is not None else {})}

@@ -32,8 +32,13 @@ process's other threads took during the bursts, in cores: what the transport's o
 threads take from the computation. Horovod's background thread runs its negotiation
 cycle every HOROVOD_CYCLE_TIME ms whether or not there is anything to reduce, and under
 MPI it polls while it waits for the other ranks' cycles; Gloo's and MPI's threads sleep.
-benchmarks/predict.py charges this CPU to the compute where the workers have no spare
-core. The busiest rank's figure is reported.
+Every other burst also starts small allreduces part-way through without waiting for
+them, as backward hands Horovod each gradient tensor (and DDP each bucket but the last),
+and the trainer its vote: the CPU those bursts' other threads took beyond their plain
+neighbours', per allreduce, is what one allreduce sent during the compute takes from it
+(`response_cpu_seconds`; only for transports that can send without waiting: Gloo,
+Horovod). The plain bursts give the cores. benchmarks/predict.py charges both to the
+compute where the workers have no spare core. The busiest rank's figures are reported.
 
 With --cold-bytes (the model's gradient size), each rank then times an allreduce of that
 size after each of 20 bursts of 50 ms: cold, as a step's gradients are, where the
@@ -49,6 +54,7 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -59,6 +65,7 @@ MAX_CALLS = 200  # per loop
 MIN_CALLS = 2
 COLD_BURSTS = 20  # --cold-bytes: allreduces timed, each after a burst of computing
 COLD_BURST_SECONDS = 0.05
+SENT_PER_BURST = 4  # allreduces started during every other burst of --busy
 
 
 class TorchDistributed:
@@ -80,6 +87,9 @@ class TorchDistributed:
 
     def allreduce(self, buf: torch.Tensor) -> None:
         self.dist.all_reduce(buf)
+
+    def start_allreduce(self, buf: torch.Tensor, index: int) -> Callable[[], object]:
+        return self.dist.all_reduce(buf, async_op=True).wait
 
     def wait(self) -> None:
         if self.device.type == "cuda":
@@ -159,6 +169,11 @@ class Horovod:
     def allreduce(self, buf: torch.Tensor) -> None:
         self.hvd.allreduce_(buf, op=self.hvd.Sum, name="bench")
 
+    def start_allreduce(self, buf: torch.Tensor, index: int) -> Callable[[], object]:
+        # Tensors in flight together need names of their own.
+        handle = self.hvd.allreduce_async_(buf, op=self.hvd.Sum, name=f"bench.sent{index}")
+        return lambda: self.hvd.synchronize(handle)
+
     def wait(self) -> None:
         pass
 
@@ -215,21 +230,43 @@ def _loop_seconds(transport, allreduce, buf, calls: int) -> float:
     return transport.max((time.perf_counter() - start) / calls)
 
 
-def background_cpu_cores(transport, seconds: float, burst: float = 0.025) -> float:
-    """CPU (in cores) the other threads of this process took while its main thread
-    computed, in bursts of ``burst`` seconds between small allreduces, for about
-    ``seconds``: the transport's background threads, the busiest rank's."""
+def transport_cpu(transport, seconds: float, burst: float = 0.025) -> dict:
+    """What the transport's threads take from this process's computing, for about
+    ``seconds``: bursts of ``burst`` seconds, each followed by a small allreduce, every
+    other one also starting SENT_PER_BURST small allreduces part-way through (where the
+    transport can). Returns the busiest rank's ``cores`` (the other threads' CPU over the
+    plain bursts' time) and ``response_cpu_seconds`` (what the sending bursts' other
+    threads took beyond the plain ones', per allreduce sent; None where it cannot send
+    without waiting)."""
     a, buf = torch.ones(256, 256), transport.buffer(256)
-    others = computing = 0.0
-    for _ in range(max(1, round(seconds / burst))):
-        cpu, own, wall = time.process_time(), time.thread_time(), time.perf_counter()
-        while time.perf_counter() - wall < burst:
-            torch.mm(a, a)
-        others += max(0.0, (time.process_time() - cpu) - (time.thread_time() - own))
-        computing += time.perf_counter() - wall
-        transport.allreduce(buf)
+    sent = [transport.buffer(256) for _ in range(SENT_PER_BURST)]
+    start = getattr(transport, "start_allreduce", None)
+    others = {0: 0.0, SENT_PER_BURST: 0.0}
+    computing = 0.0
+    pairs = max(1, round(seconds / burst / 2))
+    for _ in range(pairs):
+        for sends in others if start else [0, 0]:
+            cpu, own, wall = time.process_time(), time.thread_time(), time.perf_counter()
+            waits = []
+            while time.perf_counter() - wall < burst:
+                if len(waits) < sends and time.perf_counter() - wall > \
+                        burst * (len(waits) + 1) / (sends + 1):
+                    waits.append(start(sent[len(waits)], len(waits)))
+                torch.mm(a, a)
+            while len(waits) < sends:  # a burst cut short: every rank must send them all
+                waits.append(start(sent[len(waits)], len(waits)))
+            others[sends] += max(0.0, (time.process_time() - cpu) - (time.thread_time() - own))
+            if sends == 0:
+                computing += time.perf_counter() - wall
+            for wait in waits:
+                wait()
+            transport.allreduce(buf)
     transport.wait()
-    return transport.max(others / computing)
+    cores = transport.max(others[0] / computing)
+    if not start:
+        return {"cores": cores, "response_cpu_seconds": None}
+    extra = (others[SENT_PER_BURST] - others[0]) / (pairs * SENT_PER_BURST)
+    return {"cores": cores, "response_cpu_seconds": max(0.0, transport.max(extra))}
 
 
 def cold_allreduce_seconds(transport, nbytes: int, bursts: int = COLD_BURSTS,
@@ -255,7 +292,7 @@ def main() -> None:
     p.add_argument("transport", choices=list(TRANSPORTS))
     p.add_argument("--sizes", nargs="+", type=int, required=True, help="bytes")
     p.add_argument("--budget", type=float, default=0.2, help="seconds of timed calls per size")
-    p.add_argument("--busy", type=float, default=1.0,
+    p.add_argument("--busy", type=float, default=2.0,
                    help="seconds of computing, for the CPU the transport takes from it")
     p.add_argument("--cold-bytes", type=int, default=None,
                    help="also time an allreduce of this size after bursts of computing")
@@ -263,13 +300,14 @@ def main() -> None:
     torch.set_num_threads(1)
     transport = TRANSPORTS[args.transport]()
     results = [time_allreduce(transport, n, args.budget) for n in args.sizes]
-    background = background_cpu_cores(transport, args.busy)
+    cpu = transport_cpu(transport, args.busy)
     cold = (None if args.cold_bytes is None else
             {"bytes": args.cold_bytes,
              "seconds": cold_allreduce_seconds(transport, args.cold_bytes)})
     if transport.rank == 0:
         print(json.dumps({"transport": args.transport, "ranks": transport.size,
-                          "results": results, "background_cpu_cores": background,
+                          "results": results, "background_cpu_cores": cpu["cores"],
+                          "response_cpu_seconds": cpu["response_cpu_seconds"],
                           "cold": cold}), flush=True)
     transport.close()
 

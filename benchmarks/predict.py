@@ -35,7 +35,11 @@ Every step, each of the N = nodes x gpus_per_node workers
     and wakes     the transport's threads, which slept through the compute: t_w, what
                   an allreduce of the gradient after compute takes over a back-to-back
                   one (measured, benchmarks/allreduce_ranks.py; 0 where not measured)
-    takes         t_step = t_c + sigma e_N + t_x + c 2(N-1) alpha + t_w
+    and lends     the compute the CPU of the m allreduces it sends while it computes,
+                  t_r each, where the transport's threads share its cores (below):
+                  the gradient's before its last (k - 1 buckets; Horovod: one per
+                  gradient tensor, below) and the vote where it does not block
+    takes         t_step = t_c + sigma e_N + t_x + c 2(N-1) alpha + t_w + m t_r
                   img/s = N batch / t_step;  efficiency = batch / r1 / t_step
 
 Shared cores. Where the workers compute on CPU cores, the engine's own background threads
@@ -46,6 +50,19 @@ threads) of them. h is measured, not fitted: the CPU a transport's threads take 
 program that keeps every core of the host computing (benchmarks/allreduce_ranks.py), or
 from the engine's own training runs where those took less (background_cores).
 On GPUs, and where cores are spare, s = 1.
+
+An allreduce sent during backward hides its latency there (t_x), but on shared cores
+not its CPU: t_r, what one more allreduce sent while a program computes takes from it,
+measured beside h by the same program (allreduce_ranks.py; its bursts without sends give
+h). Here: Gloo 0.77 ms, Horovod over Gloo 0.35 ms, over MPI 0.47 ms. Horovod negotiates
+every gradient tensor and fuses only those ready in the same cycle: the model sends each
+on its own (m = tensors - 1 + the vote; an upper bound: the MNIST convnet's 8 went in
+5.9 responses a step in Horovod's timeline). Inside one job at batch 32 / 64 / 128,
+Horovod over Gloo's gradients sent as backward makes them added 5.2 / 5.2 / 6.7 ms to a
+step, the same gradients sent at once after backward 2.6 / 2.5 / 4.2 ms: sending early
+cost more than it hid. A worker with a whole spare core (c - threads >= 1), and a GPU
+worker, lends nothing: t_r = 0. t_r = 0 too where it was not measured (results from
+before it was; MPI's blocking calls, which are the compute's own thread).
 
 Time to train = samples x epochs / img/s; cost = nodes x hours x price per node-hour.
 The cost-optimal node count for a deadline is the cheapest that finishes in time.
@@ -114,6 +131,18 @@ BUCKET_BYTES = {"ddp": 25 * 2**20, "ddp-mpi": 25 * 2**20, "plain": 25 * 2**20,
 # engine=ddp engine.backend=mpi keeps); the others send it without waiting and read it a
 # step later, while the next step computes.
 BLOCKING_COLLECTIVES_PER_STEP = {"ddp-mpi": 1}
+# Horovod's background thread negotiates each tensor and fuses only those ready in the
+# same cycle: a gradient goes in up to one response per tensor, most sent during backward.
+PER_TENSOR = {"horovod-gloo", "horovod-mpi"}
+
+
+def sent_while_computing(engine: str, gradient_bytes: float, tensors: int) -> int:
+    """m: the allreduces a worker of ``engine`` sends per step while it computes: the
+    gradient's before its last, and the trainer's vote where it does not block."""
+    responses = (tensors if engine in PER_TENSOR
+                 else math.ceil(gradient_bytes / BUCKET_BYTES[engine]))
+    vote = engine != "plain" and engine not in BLOCKING_COLLECTIVES_PER_STEP
+    return responses - 1 + vote
 
 
 @dataclass(frozen=True)
@@ -132,6 +161,8 @@ class Scenario:
     collectives: int = 0  # other blocking small allreduces per step
     compute_share: float = 1.0  # s: of its compute cores, what a worker keeps
     wakeup_s: float = 0.0  # t_w: a cold gradient allreduce over a back-to-back one
+    sent_while_computing: int = 0  # m: allreduces sent while a worker computes
+    sent_cpu_s: float = 0.0  # t_r: the CPU each takes from its compute
     intra_latency_s: float = 5e-6  # alpha and beta inside one node (PCIe)
     intra_bandwidth: float = 10e9
     samples: int = 1_281_167
@@ -172,9 +203,10 @@ def step_seconds(s: Scenario, nodes: int) -> dict[str, float]:
     backward = BACKWARD_FRACTION * compute
     exposed = max(total / k, total - backward * (k - 1) / k)
     others = ring_allreduce_seconds(0, workers, latency, bandwidth, s.collectives)
-    wakeup = s.wakeup_s if workers > 1 else 0.0
+    wakeup, lent = ((s.wakeup_s, s.sent_while_computing * s.sent_cpu_s) if workers > 1
+                    else (0.0, 0.0))
     return {"compute": compute, "wait": s.jitter * compute * expected_max_of_normals(workers),
-            "communication": exposed + others + wakeup}
+            "communication": exposed + others + wakeup + lent}
 
 
 def predict(s: Scenario, nodes: int) -> dict:
@@ -262,30 +294,42 @@ def machine_scenario(results: dict, engine: str, workers: int, batch: int,
     computing = run["step_time"]
     img_s = (1000 * batch / computing["mean_ms"] if busy else
              _row(throughput, reference(engine), batch, 1, False)["per_worker_median"]["median"])
-    return _this_machine(results, engine, workers, batch, throughput["gradient_bytes"], img_s,
+    return _this_machine(results, engine, workers, batch, _gradient(throughput), img_s,
                          computing["sd_ms"] / computing["mean_ms"], run["threads"],
                          f"{throughput['workload']}, {engine}, "
                          f"{'busy' if busy else 'alone'} compute")
 
 
-def _this_machine(results: dict, engine: str, workers: int, batch: int, gradient: float,
-                  img_s: float, jitter: float, threads: int, what: str) -> Scenario:
+def _gradient(section: dict) -> tuple[int, int]:
+    """Bytes and tensors of the gradient a throughput or step_split section measured
+    (results from before tensors were counted: 1, which lends nothing over Gloo)."""
+    return section["gradient_bytes"], section.get("gradient_tensors", 1)
+
+
+def _this_machine(results: dict, engine: str, workers: int, batch: int,
+                  gradient: tuple[int, int], img_s: float, jitter: float, threads: int,
+                  what: str) -> Scenario:
     """alpha and beta fitted to the engine's transport, the engine's bucket, the
     trainer's vote where it blocks, the share of its core each worker keeps from the
-    transport's background threads, and what waking them costs a step; the rest as
-    given."""
+    transport's background threads, what waking them costs a step, and what the
+    allreduces sent during the compute take from it; the rest as given."""
     allreduce = results["allreduce"]
     transport = ENGINE_TRANSPORT[engine]
     latency, bandwidth = fit_alpha_beta(allreduce["transports"][transport], allreduce["ranks"])
     woken = wakeup(allreduce, transport)
-    share = compute_share(results["machine"]["cores"] / workers, threads,
-                          background_cores(results, engine, workers, batch))
+    cores = results["machine"]["cores"] / workers
+    share = compute_share(cores, threads, background_cores(results, engine, workers, batch))
+    nbytes, tensors = gradient
+    # Not measured (results from before it was, or a transport that cannot send without
+    # waiting): nothing lent.
+    sent_cpu = allreduce.get("response_cpu_seconds", {}).get(transport, 0.0)
     return Scenario(
         f"this machine: {what}, 1 core per worker", batch, img_s,
-        gradient, BUCKET_BYTES[engine], latency, bandwidth,
+        nbytes, BUCKET_BYTES[engine], latency, bandwidth,
         jitter=jitter, collectives=BLOCKING_COLLECTIVES_PER_STEP.get(engine, 0),
-        compute_share=share, wakeup_s=woken["wakeup"] if woken else 0.0, samples=60_000,
-        epochs=2,
+        compute_share=share, wakeup_s=woken["wakeup"] if woken else 0.0,
+        sent_while_computing=sent_while_computing(engine, nbytes, tensors),
+        sent_cpu_s=sent_cpu if cores - threads < 1 else 0.0, samples=60_000, epochs=2,
         source=f"{what}, {transport} allreduce fit")
 
 
@@ -299,9 +343,9 @@ def background_cores(results: dict, engine: str, workers: int, batch: int) -> fl
     - The engine's own training runs with as many workers, one thread each, at the other
       batch sizes, so that no run is predicted from itself (the trainer's summary.json,
       the busiest rank's). They also count what the threads do while the loop waits for
-      the allreduce, which the model charges apart (t_x), so they overstate h: by far
-      where the threads sleep through the compute, as Gloo's do (0.05-0.07 against
-      0.002).
+      the allreduce, and for the allreduces sent during the compute, which the model
+      charges apart (t_x, m t_r), so they overstate h: by far where the threads sleep
+      through the compute, as Gloo's do (0.05-0.07 against 0.002).
 
     A run's predicted img/s moves about 7% per 0.05 of h, so the overstatement matters."""
     burst = results["allreduce"]["background_cpu_cores"][ENGINE_TRANSPORT[engine]]
@@ -369,7 +413,7 @@ def validate_split(results: dict) -> list[dict]:
             continue
         # The free blocks computed beside the engine's own threads (Horovod's cycle
         # runs whether or not a tensor is ready): r1 has paid for them already.
-        s = replace(_this_machine(results, engine, n, batch, split["gradient_bytes"],
+        s = replace(_this_machine(results, engine, n, batch, _gradient(split),
                                   1000 * batch / row["free_ms"],
                                   row["free_sd_ms"] / row["free_ms"], 1,
                                   f"{engine}'s path in one job, batch {batch}"),

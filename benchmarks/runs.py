@@ -237,8 +237,9 @@ def measure(setup: Setup, workload: Workload, timing: Timing, run_dir: Path) -> 
                others)
 
 
-def gradient_bytes(workload: Workload) -> int:
-    """Bytes of one full gradient of the workload's model: what every step allreduces."""
+def gradient(workload: Workload) -> dict[str, int]:
+    """One full gradient of the workload's model, what every step allreduces: its bytes,
+    and how many tensors hold them (Horovod sends each as backward makes it)."""
     from hydra import compose, initialize_config_dir
 
     from trainer.config import register
@@ -249,4 +250,6 @@ def gradient_bytes(workload: Workload) -> int:
         cfg = compose("config", overrides=[o for o in workload.overrides
                                            if o.startswith("model")])
     model = build_model(cfg.model, workload.shape, workload.classes)
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return {"gradient_bytes": sum(p.numel() * p.element_size() for p in trained),
+            "gradient_tensors": len(trained)}

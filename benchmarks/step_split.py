@@ -133,8 +133,10 @@ class Job:
                 "free_sd_ms": statistics.median(free_sd), "per_block_ms": per_block}
 
 
-def gradient_bytes() -> int:
-    return sum(4 * p.numel() for p in network().parameters())
+def gradient() -> dict[str, int]:
+    parameters = list(network().parameters())
+    return {"gradient_bytes": sum(4 * p.numel() for p in parameters),
+            "gradient_tensors": len(parameters)}
 
 
 def measure(names: list[str], batches: list[int], cycles: int, block: int) -> dict:
@@ -152,7 +154,7 @@ def measure(names: list[str], batches: list[int], cycles: int, block: int) -> di
                   + ", ".join(f"{m} {row[m + '_ms']:.1f}" for m in MODES) + " ms per step",
                   flush=True)
     return {"workers": WORKERS, "cycles": cycles, "block": block,
-            "gradient_bytes": gradient_bytes(), "rows": rows, "commands": commands}
+            **gradient(), "rows": rows, "commands": commands}
 
 
 def main() -> None:

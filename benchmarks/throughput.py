@@ -43,7 +43,7 @@ from benchmarks.runs import (
     Setup,
     Timing,
     Workload,
-    gradient_bytes,
+    gradient,
     measure,
     synthetic,
 )
@@ -181,7 +181,7 @@ def measure_sweep(workload: Workload, engines: list[str], workers: list[int],
     setups = plan(engines, workers, batches, threads)
     section = summarize(run_interleaved(setups, workload, timing, repeats, folder), workload,
                         timing)
-    return section | {"repeats": repeats, "gradient_bytes": gradient_bytes(workload)}
+    return section | {"repeats": repeats, **gradient(workload)}
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:

@@ -23,6 +23,7 @@ from benchmarks.predict import (
     machine_scenario,
     predict,
     ring_allreduce_seconds,
+    sent_while_computing,
     step_seconds,
     validate_machine,
     validate_published,
@@ -169,19 +170,60 @@ def test_waking_the_transports_threads_costs_each_multi_worker_step_cold_minus_h
 
 def test_the_trainers_vote_is_charged_only_where_it_blocks():
     """Over Gloo the trainer's vote is read a step after it is sent (trainer/preemption.py):
-    the trainer is predicted to communicate as long as the plain loop, which has no vote.
+    the trainer is predicted to communicate as long as the plain loop, which has no vote,
+    but for the CPU the vote takes while the next step computes (t_r, 0 if unmeasured).
     Over MPI engine=ddp sums it at once: a 2-rank ring's 2 alpha more per step."""
     results = json.loads((REPO / "benchmarks/results/reference/results.json").read_text())
     rows = {(r["engine"], r["batch"]): r for r in validate_machine(results)}
     assert rows
+    vote_ms = 1e3 * results["allreduce"].get("response_cpu_seconds", {}).get("gloo", 0.0)
     for (engine, batch), row in rows.items():
         if engine == "ddp":
             assert row["communication_ms"] == pytest.approx(
-                rows[("plain", batch)]["communication_ms"])
+                rows[("plain", batch)]["communication_ms"] + vote_ms)
     for batch in (32, 64, 128):
         s = machine_scenario(results, "ddp-mpi", 2, batch)
         assert step_seconds(s, 2)["communication"] == pytest.approx(
             step_seconds(replace(s, collectives=0), 2)["communication"] + 2 * s.latency_s)
+
+
+def test_allreduces_sent_while_computing_lend_it_their_cpu_where_no_core_is_spare():
+    """m t_r: Horovod sends each gradient tensor as backward makes it, all but the last
+    while the worker computes, and the trainer's vote where it does not block; each
+    takes the measured t_r of CPU from the compute, on shared cores only, with more
+    than one worker, and nothing where t_r was not measured."""
+    gradient = 738_344
+    assert sent_while_computing("horovod-gloo", gradient, 8) == 7 + 1
+    assert sent_while_computing("horovod-mpi", gradient, 8) == 7 + 1
+    assert sent_while_computing("ddp", gradient, 8) == 0 + 1  # one bucket, then the vote
+    assert sent_while_computing("ddp", 60 * 2**20, 8) == 2 + 1  # three 25 MiB buckets
+    assert sent_while_computing("ddp-mpi", gradient, 8) == 0  # its vote blocks
+    assert sent_while_computing("plain", gradient, 8) == 0
+    s = replace(PRESETS["chameleon-resnet50"], sent_while_computing=8, sent_cpu_s=0.0005)
+    plain = PRESETS["chameleon-resnet50"]
+    assert step_seconds(s, 1) == step_seconds(plain, 1)
+    assert step_seconds(s, 4)["communication"] == pytest.approx(
+        step_seconds(plain, 4)["communication"] + 8 * 0.0005)
+
+    results = json.loads((REPO / "benchmarks/results/reference/results.json").read_text())
+    results["allreduce"]["response_cpu_seconds"] = {"gloo": 0.001, "horovod-gloo": 0.002,
+                                                    "horovod-mpi": 0.003}
+    results["throughput"]["gradient_tensors"] = results["step_split"]["gradient_tensors"] = 8
+    unmeasured = copy.deepcopy(results)
+    del unmeasured["allreduce"]["response_cpu_seconds"]
+    lent_ms = {"ddp": 1.0, "ddp-mpi": 0.0, "plain": 0.0, "horovod-gloo": 16.0,
+               "horovod-mpi": 24.0}
+    for validate, added in ((validate_machine, "communication_ms"),
+                            (validate_split, "added_ms")):
+        rows = {name: {r["case"]: r for r in validate(r)}
+                for name, r in (("measured", results), ("unmeasured", unmeasured))}
+        assert rows["measured"]
+        for case, row in rows["measured"].items():
+            assert row[added] == pytest.approx(rows["unmeasured"][case][added]
+                                               + lent_ms[row["engine"]])
+    assert machine_scenario(results, "horovod-gloo", 2, 32).sent_cpu_s == 0.002
+    results["machine"]["cores"] = 4  # 2 workers of 1 thread: a whole core each to spare
+    assert machine_scenario(results, "horovod-gloo", 2, 32).sent_cpu_s == 0.0
 
 
 def test_more_nodes_are_faster_but_less_efficient():

@@ -54,10 +54,11 @@ On GPUs, and where cores are spare, s = 1.
 An allreduce sent during backward hides its latency there (t_x), but on shared cores
 not its CPU: t_r, what one more allreduce sent while a program computes takes from it,
 measured beside h by the same program (allreduce_ranks.py; its bursts without sends give
-h). Here: Gloo 0.77 ms, Horovod over Gloo 0.35 ms, over MPI 0.47 ms. Horovod negotiates
-every gradient tensor and fuses only those ready in the same cycle: the model sends each
-on its own (m = tensors - 1 + the vote; an upper bound: the MNIST convnet's 8 went in
-5.9 responses a step in Horovod's timeline). Inside one job at batch 32 / 64 / 128,
+h). Here: Gloo 0.85 ms, Horovod over Gloo 0.49 ms, over MPI 1.05 ms (reference run;
+over MPI it overstates: README, "How well it predicts"). Horovod negotiates every
+gradient tensor and fuses only those ready in the same cycle: the model sends each on
+its own (m = tensors - 1 + the vote; an upper bound: the MNIST convnet's 8 went in 5.9
+responses a step in Horovod's timeline). Inside one job at batch 32 / 64 / 128,
 Horovod over Gloo's gradients sent as backward makes them added 5.2 / 5.2 / 6.7 ms to a
 step, the same gradients sent at once after backward 2.6 / 2.5 / 4.2 ms: sending early
 cost more than it hid. A worker with a whole spare core (c - threads >= 1), and a GPU
@@ -90,11 +91,12 @@ Validation (--validate; tests/test_predict.py checks the 10%):
     This machine (benchmarks/results/*/results.json): r1 and jitter from 2 single
     workers run at once (the host as busy as with 2 workers: the two "nodes" share one
     memory system here; they log every step), alpha and beta fitted to the allreduce
-    measurements of the engine's transport, G and bucket of the engine, c = 1 for the
-    trainer's engines, s from the host's cores, the workers' threads and the CPU the
-    engine's transport takes from them, t_w from its cold and back-to-back allreduces of
-    the gradient (Gloo's threads sleep through the compute; in the published GPU cases
-    t_w = 0: Horovod's thread cycles every millisecond and NCCL runs on the GPU). Two
+    measurements of the engine's transport, G, its tensors and bucket of the engine, c
+    and m of the engine, s from the host's cores, the workers' threads and the CPU the
+    engine's transport takes from them, t_r measured with it, t_w from its cold and
+    back-to-back allreduces of the gradient (Gloo's threads sleep through the compute;
+    in the published GPU cases t_w = t_r = 0: Horovod's thread cycles every millisecond,
+    on a spare core, and NCCL runs on the GPU). Two
     launches of one 2-worker job differ here by 10-40%, so that comparison carries that
     noise: validate_machine gives beside the error each repeat's, predicted from that
     repeat's own compute-only runs (their spread is the noise); validate_split also

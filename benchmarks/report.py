@@ -194,10 +194,21 @@ def allreduce(r: dict) -> str:
         paths(a, gradient),
         "CPU the transport's own threads take from a program that computes on every core "
         "(median, cores; the predictor takes it from the workers' compute): "
-        + ", ".join(f"{t} {a['background_cpu_cores'][t]:.2f}" for t in names) + ".",
+        + ", ".join(f"{t} {a['background_cpu_cores'][t]:.2f}" for t in names) + "."
+        + sent_while_computing(a),
         cold(a),
         commands("exact commands", list(a["commands"].values())),
     ])
+
+
+def sent_while_computing(a: dict) -> str:
+    """t_r per transport, where measured (results from before it was: nothing)."""
+    lent = a.get("response_cpu_seconds", {})
+    if not lent:
+        return ""
+    return (" One more allreduce sent while it computes, without waiting, takes from it "
+            "(median, ms of CPU; the predictor's t_r): "
+            + ", ".join(f"{t} {1e3 * v:.2f}" for t, v in lent.items()) + ".")
 
 
 def paths(a: dict, gradient: int | None) -> str:
@@ -280,8 +291,10 @@ def prediction(r: dict) -> str:
         "predicted from the same repeat's compute-only runs: median (lowest to highest), how "
         "far launches of one configuration fall apart; wait = the slowest worker's lateness; "
         "comm = gradients + the trainer's per-step vote where it blocks (over MPI) + waking "
-        "the transport's threads (a cold allreduce over a back-to-back one); measured comm "
-        "= step - compute above.",
+        "the transport's threads (a cold allreduce over a back-to-back one) + the CPU the "
+        "allreduces sent while a worker computes take from it (Horovod's gradient tensors "
+        "but the last, the vote where it does not block); measured comm = step - compute "
+        "above.",
         table(["engine", "batch", "measured img/s", "predicted", "error", "per repeat",
                "jitter", "core kept", "wait ms", "comm ms", "measured comm ms",
                "predicted, compute alone", "alpha us", "beta GB/s"], machine) if machine else "",

@@ -17,6 +17,7 @@ Each module runs on its own and writes a results folder (python -m benchmarks.X 
     batch_sizes.py     img/s per batch size per model (the Chameleon talk's table)
     mnist_overhead.py  trainer vs plain loop in time to 99% accuracy
     predict.py         the alpha-beta model: img/s, efficiency, time and cost for 1..256 nodes
+                       (this_machine.py: its scenarios and validation from a results.json)
     report.py          make report: results.json -> report.md + PNGs (plots.py draws them)
 
 and the pieces they share: runs.py (start a measured run the way users do: engines,

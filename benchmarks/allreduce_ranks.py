@@ -241,31 +241,32 @@ def transport_cpu(transport, seconds: float, burst: float = 0.025) -> dict:
     a, buf = torch.ones(256, 256), transport.buffer(256)
     sent = [transport.buffer(256) for _ in range(SENT_PER_BURST)]
     start = getattr(transport, "start_allreduce", None)
-    others = {0: 0.0, SENT_PER_BURST: 0.0}
-    computing = 0.0
+    sends = SENT_PER_BURST if start else 0
+    others = {0: 0.0, sends: 0.0}  # the other threads' CPU, by allreduces sent per burst
+    plain = 0.0  # seconds computed in bursts that sent nothing
     pairs = max(1, round(seconds / burst / 2))
     for _ in range(pairs):
-        for sends in others if start else [0, 0]:
+        for n in (0, sends):
             cpu, own, wall = time.process_time(), time.thread_time(), time.perf_counter()
             waits = []
             while time.perf_counter() - wall < burst:
-                if len(waits) < sends and time.perf_counter() - wall > \
-                        burst * (len(waits) + 1) / (sends + 1):
+                if len(waits) < n and time.perf_counter() - wall > \
+                        burst * (len(waits) + 1) / (n + 1):
                     waits.append(start(sent[len(waits)], len(waits)))
                 torch.mm(a, a)
-            while len(waits) < sends:  # a burst cut short: every rank must send them all
+            while len(waits) < n:  # a burst cut short: every rank must send them all
                 waits.append(start(sent[len(waits)], len(waits)))
-            others[sends] += max(0.0, (time.process_time() - cpu) - (time.thread_time() - own))
-            if sends == 0:
-                computing += time.perf_counter() - wall
+            others[n] += max(0.0, (time.process_time() - cpu) - (time.thread_time() - own))
+            if n == 0:
+                plain += time.perf_counter() - wall
             for wait in waits:
                 wait()
             transport.allreduce(buf)
     transport.wait()
-    cores = transport.max(others[0] / computing)
+    cores = transport.max(others[0] / plain)
     if not start:
         return {"cores": cores, "response_cpu_seconds": None}
-    extra = (others[SENT_PER_BURST] - others[0]) / (pairs * SENT_PER_BURST)
+    extra = (others[sends] - others[0]) / (pairs * sends)
     return {"cores": cores, "response_cpu_seconds": max(0.0, transport.max(extra))}
 
 

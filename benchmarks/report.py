@@ -195,13 +195,13 @@ def allreduce(r: dict) -> str:
         "CPU the transport's own threads take from a program that computes on every core "
         "(median, cores; the predictor takes it from the workers' compute): "
         + ", ".join(f"{t} {a['background_cpu_cores'][t]:.2f}" for t in names) + "."
-        + sent_while_computing(a),
+        + lent_cpu(a),
         cold(a),
         commands("exact commands", list(a["commands"].values())),
     ])
 
 
-def sent_while_computing(a: dict) -> str:
+def lent_cpu(a: dict) -> str:
     """t_r per transport, where measured (results from before it was: nothing)."""
     lent = a.get("response_cpu_seconds", {})
     if not lent:

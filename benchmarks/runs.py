@@ -32,8 +32,12 @@ import shutil
 import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from launch.commands import BIN, local_command, local_environment
+
+if TYPE_CHECKING:  # starting runs needs no torch; building a model imports it
+    import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -237,9 +241,16 @@ def measure(setup: Setup, workload: Workload, timing: Timing, run_dir: Path) -> 
                others)
 
 
+def gradient_of(model: torch.nn.Module) -> dict[str, int]:
+    """One full gradient of ``model``, what every step allreduces: its bytes, and how many
+    tensors hold them (Horovod sends each as backward makes it)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return {"gradient_bytes": sum(p.numel() * p.element_size() for p in trained),
+            "gradient_tensors": len(trained)}
+
+
 def gradient(workload: Workload) -> dict[str, int]:
-    """One full gradient of the workload's model, what every step allreduces: its bytes,
-    and how many tensors hold them (Horovod sends each as backward makes it)."""
+    """gradient_of the workload's model, as the trainer builds it."""
     from hydra import compose, initialize_config_dir
 
     from trainer.config import register
@@ -249,7 +260,4 @@ def gradient(workload: Workload) -> dict[str, int]:
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[o for o in workload.overrides
                                            if o.startswith("model")])
-    model = build_model(cfg.model, workload.shape, workload.classes)
-    trained = [p for p in model.parameters() if p.requires_grad]
-    return {"gradient_bytes": sum(p.numel() * p.element_size() for p in trained),
-            "gradient_tensors": len(trained)}
+    return gradient_of(build_model(cfg.model, workload.shape, workload.classes))

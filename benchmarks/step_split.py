@@ -46,7 +46,7 @@ import torch
 from benchmarks import record
 from benchmarks.plain_loop import loss_of, network, sgd
 from benchmarks.runs import ENGINES as RUNS
-from benchmarks.runs import available_engines, json_line, run_together, shown
+from benchmarks.runs import available_engines, gradient_of, json_line, run_together, shown
 from launch.commands import local_command
 from trainer import engines
 from trainer.config import compose
@@ -133,12 +133,6 @@ class Job:
                 "free_sd_ms": statistics.median(free_sd), "per_block_ms": per_block}
 
 
-def gradient() -> dict[str, int]:
-    parameters = list(network().parameters())
-    return {"gradient_bytes": sum(4 * p.numel() for p in parameters),
-            "gradient_tensors": len(parameters)}
-
-
 def measure(names: list[str], batches: list[int], cycles: int, block: int) -> dict:
     rows, commands = [], {}
     for name in names:
@@ -154,7 +148,7 @@ def measure(names: list[str], batches: list[int], cycles: int, block: int) -> di
                   + ", ".join(f"{m} {row[m + '_ms']:.1f}" for m in MODES) + " ms per step",
                   flush=True)
     return {"workers": WORKERS, "cycles": cycles, "block": block,
-            **gradient(), "rows": rows, "commands": commands}
+            **gradient_of(network()), "rows": rows, "commands": commands}
 
 
 def main() -> None:

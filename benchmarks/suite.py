@@ -19,7 +19,8 @@ In order, into benchmarks/results/<time>-bench[-quick]/results.json:
     mnist_engines   benchmarks/mnist_engines.py's table, from the two sweeps above
     prediction      benchmarks/predict.py: the published figures, and this machine's
                     2-worker figures predicted from its 1-worker and allreduce figures
-                    (throughput's, and step_split's from its own compute)
+                    (benchmarks/this_machine.py: throughput's, and step_split's from its
+                    own compute)
     targets         issue 6's targets, computed from the above
 
 `python -m benchmarks.suite --derive RUN` recomputes the last three from RUN's
@@ -45,6 +46,7 @@ from benchmarks import (
     predict,
     record,
     step_split,
+    this_machine,
     throughput,
 )
 from benchmarks.runs import Timing, available_engines
@@ -138,8 +140,8 @@ def derive(results: dict) -> dict:
     results["mnist_engines"] = mnist_engines.summarize(results["throughput"],
                                                        results["allreduce"], 64)
     results["prediction"] = {"published": predict.validate_published(),
-                             "machine": predict.validate_machine(results),
-                             "split": predict.validate_split(results)}
+                             "machine": this_machine.validate_machine(results),
+                             "split": this_machine.validate_split(results)}
     results["targets"] = targets(results)
     return results
 

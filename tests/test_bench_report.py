@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.allreduce import TRAINER_PATHS
-from benchmarks.predict import validate_machine
+from benchmarks.this_machine import validate_machine
 from tests.conftest import REPO
 
 REFERENCE = REPO / "benchmarks" / "results" / "reference"

@@ -15,18 +15,20 @@ import pytest
 from benchmarks.allreduce import bandwidth
 from benchmarks.predict import (
     PRESETS,
-    background_cores,
     compute_share,
     cost_optimal,
     expected_max_of_normals,
     fit_alpha_beta,
-    machine_scenario,
     predict,
     ring_allreduce_seconds,
-    sent_while_computing,
     step_seconds,
-    validate_machine,
     validate_published,
+)
+from benchmarks.this_machine import (
+    background_cores,
+    machine_scenario,
+    sent_while_computing,
+    validate_machine,
     validate_split,
 )
 from tests.conftest import REPO

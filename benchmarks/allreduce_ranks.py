@@ -38,7 +38,8 @@ and the trainer its vote: the CPU those bursts' other threads took beyond their 
 neighbours', per allreduce, is what one allreduce sent during the compute takes from it
 (`response_cpu_seconds`; only for transports that can send without waiting: Gloo,
 Horovod). The plain bursts give the cores. benchmarks/predict.py charges both to the
-compute where the workers have no spare core. The busiest rank's figures are reported.
+compute where the workers have no spare core (but t_r over MPI, where Horovod's thread
+spins anyway: this_machine.SPINS). The busiest rank's figures are reported.
 
 With --cold-bytes (the model's gradient size), each rank then times an allreduce of that
 size after each of 20 bursts of 50 ms: cold, as a step's gradients are, where the

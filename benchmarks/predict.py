@@ -48,14 +48,18 @@ whether or not a tensor is ready. A worker given c cores for its `threads` compu
 threads, whose engine takes h cores in the background, keeps s = min(1, (c - h) /
 threads) of them. h is measured, not fitted: the CPU a transport's threads take from a
 program that keeps every core of the host computing (benchmarks/allreduce_ranks.py), or
-from the engine's own training runs where those took less (this_machine.background_cores).
+from the engine's own training runs where those took less, or always where the engine's
+thread spins (Horovod over MPI; this_machine.background_cores).
 On GPUs, and where cores are spare, s = 1.
 
 An allreduce sent during backward hides its latency there (t_x), but on shared cores
 not its CPU: t_r, what one more allreduce sent while a program computes takes from it,
 measured beside h by the same program (allreduce_ranks.py; its bursts without sends give
-h). Here: Gloo 0.85 ms, Horovod over Gloo 0.49 ms, over MPI 1.05 ms (reference run;
-over MPI it overstates: README, "How well it predicts"). Horovod negotiates every
+h). Here: Gloo 0.85 ms, Horovod over Gloo 0.49 ms (reference run). Over MPI, Horovod's
+thread spins through every cycle whether or not a tensor is ready, and a tensor's
+transfer is spent inside that spin: t_r = 0 there, and h comes from its training runs,
+which count the sends (this_machine.SPINS; the bursts read 0.35-1.05 ms over MPI, which
+training did not show). Horovod negotiates every
 gradient tensor and fuses only those ready in the same cycle: the model sends each on
 its own (m = tensors - 1 + the vote; an upper bound: the MNIST convnet's 8 went in 5.9
 responses a step in Horovod's timeline). Inside one job at batch 32 / 64 / 128,

@@ -16,8 +16,9 @@ import argparse
 from pathlib import Path
 
 from benchmarks import plots, record
-from benchmarks.allreduce import TRAINER_PATHS, wakeup
+from benchmarks.allreduce import ENGINE_TRANSPORT, TRAINER_PATHS, wakeup
 from benchmarks.allreduce_ranks import COLD_BURST_SECONDS, COLD_BURSTS
+from benchmarks.this_machine import SPINS
 from trainer.stores import write_atomic
 
 DASH = "-"
@@ -206,9 +207,12 @@ def lent_cpu(a: dict) -> str:
     lent = a.get("response_cpu_seconds", {})
     if not lent:
         return ""
+    spun = sorted(ENGINE_TRANSPORT[e] for e in SPINS if ENGINE_TRANSPORT[e] in lent)
     return (" One more allreduce sent while it computes, without waiting, takes from it "
             "(median, ms of CPU; the predictor's t_r): "
-            + ", ".join(f"{t} {1e3 * v:.2f}" for t, v in lent.items()) + ".")
+            + ", ".join(f"{t} {1e3 * v:.2f}" for t, v in lent.items()) + "."
+            + (f" Not charged over {', '.join(spun)}: its thread spins in every cycle "
+               "anyway, and h, from its training runs, counts the sends." if spun else ""))
 
 
 def paths(a: dict, gradient: int | None) -> str:

@@ -7,15 +7,16 @@ as with 2 workers: the two "nodes" share one memory system here; they log every 
 alpha and beta fitted to the allreduce measurements of the engine's transport, G, its
 tensors and bucket of the engine, c and m of the engine, s from the host's cores, the
 workers' threads and the CPU the engine's transport takes from them, t_r measured with
-it, t_w from its cold and back-to-back allreduces of the gradient (Gloo's threads sleep
-through the compute; in the published GPU cases t_w = t_r = 0: Horovod's thread cycles
-every millisecond, on a spare core, and NCCL runs on the GPU). Two launches of one
-2-worker job differ here by 10-40%, so that comparison carries that noise:
-validate_machine gives beside the error each repeat's, predicted from that repeat's own
-compute-only runs (their spread is the noise); validate_split also compares with
-2-worker steps measured inside one job against that job's own compute blocks
-(benchmarks/step_split.py: r1 and jitter from its free blocks, s = 1 because those
-blocks ran beside the engine's threads, the rest as above).
+it (not charged where the thread spins: SPINS), t_w from its cold and back-to-back
+allreduces of the gradient (Gloo's threads sleep through the compute; in the published
+GPU cases t_w = t_r = 0: Horovod's thread cycles every millisecond, on a spare core,
+and NCCL runs on the GPU). Two launches of one 2-worker job differ here by 10-40%, so
+that comparison carries that noise: validate_machine gives beside the error each
+repeat's, predicted from that repeat's own compute-only runs (their spread is the
+noise); validate_split also compares with 2-worker steps measured inside one job
+against that job's own compute blocks (benchmarks/step_split.py: r1 and jitter from
+its free blocks, s = 1 because those blocks ran beside the engine's threads, the rest
+as above).
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ BLOCKING_COLLECTIVES_PER_STEP = {"ddp-mpi": 1}
 # Horovod's background thread negotiates each tensor and fuses only those ready in the
 # same cycle: a gradient goes in up to one response per tensor, most sent during backward.
 PER_TENSOR = {"horovod-gloo", "horovod-mpi"}
+# Over MPI, Horovod's thread spins in MPI through every cycle's negotiation, tensor or
+# not, and a tensor's transfer is spent inside that spin: the allreduces sent during the
+# compute take nothing from it beyond h (t_r = 0), and h is the thread's CPU in the
+# engine's training runs, which counts them. The bursts' t_r over MPI (0.35-1.05 ms,
+# varying by launch) is not charged: charged, it made every horovod-mpi row of four
+# reference runs worse, and in one job the steps that sent the gradients were faster
+# than the blocks that sent nothing (README, "How well it predicts").
+SPINS = {"horovod-mpi"}
 
 
 def sent_while_computing(engine: str, gradient_bytes: float, tensors: int) -> int:
@@ -97,8 +106,9 @@ def _this_machine(results: dict, engine: str, workers: int, batch: int,
     share = compute_share(cores, threads, background_cores(results, engine, workers, batch))
     nbytes, tensors = gradient
     # Not measured (results from before it was, or a transport that cannot send without
-    # waiting): nothing lent.
-    sent_cpu = allreduce.get("response_cpu_seconds", {}).get(transport, 0.0)
+    # waiting), or spent inside a spin that h counts: nothing lent.
+    sent_cpu = (0.0 if engine in SPINS
+                else allreduce.get("response_cpu_seconds", {}).get(transport, 0.0))
     return Scenario(
         f"this machine: {what}, 1 core per worker", batch, img_s,
         nbytes, BUCKET_BYTES[engine], latency, bandwidth,
@@ -111,7 +121,8 @@ def _this_machine(results: dict, engine: str, workers: int, batch: int,
 
 def background_cores(results: dict, engine: str, workers: int, batch: int) -> float:
     """h, the CPU the engine's threads take while each worker computes: the smaller of
-    two measurements, neither exact.
+    two measurements, neither exact; for an engine whose thread spins (SPINS), the
+    training runs' where there are any.
 
     - The transport's bursts (allreduce_ranks.py): a synthetic program whose figure
       varies from second to second (Horovod over MPI: 0.25-0.37 within one minute,
@@ -121,7 +132,10 @@ def background_cores(results: dict, engine: str, workers: int, batch: int) -> fl
       the busiest rank's). They also count what the threads do while the loop waits for
       the allreduce, and for the allreduces sent during the compute, which the model
       charges apart (t_x, m t_r), so they overstate h: by far where the threads sleep
-      through the compute, as Gloo's do (0.05-0.07 against 0.002).
+      through the compute, as Gloo's do (0.05-0.07 against 0.002). A spinning thread's
+      sends are not charged apart, and how long it spins depends on how far apart the
+      ranks' cycles run, which training sets (0.30 against the bursts' 0.23 over MPI):
+      there they are the better measurement.
 
     A run's predicted img/s moves about 7% per 0.05 of h, so the overstatement matters."""
     burst = results["allreduce"]["background_cpu_cores"][ENGINE_TRANSPORT[engine]]
@@ -129,7 +143,10 @@ def background_cores(results: dict, engine: str, workers: int, batch: int) -> fl
                if (r["engine"], r["workers"], r["threads"], r["independent"])
                == (engine, workers, 1, False)
                and r["batch"] != batch and r.get("other_threads_cores") is not None]
-    return min(burst, statistics.median(trained)) if trained else burst
+    if not trained:
+        return burst
+    trained_h = statistics.median(trained)
+    return trained_h if engine in SPINS else min(burst, trained_h)
 
 
 def validate_machine(results: dict) -> list[dict]:

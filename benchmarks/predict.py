@@ -55,7 +55,7 @@ On GPUs, and where cores are spare, s = 1.
 An allreduce sent during backward hides its latency there (t_x), but on shared cores
 not its CPU: t_r, what one more allreduce sent while a program computes takes from it,
 measured beside h by the same program (allreduce_ranks.py; its bursts without sends give
-h). Here: Gloo 0.85 ms, Horovod over Gloo 0.49 ms (reference run). Over MPI, Horovod's
+h). Here: Gloo 0.80 ms, Horovod over Gloo 0.35 ms (reference run). Over MPI, Horovod's
 thread spins through every cycle whether or not a tensor is ready, and a tensor's
 transfer is spent inside that spin: t_r = 0 there, and h comes from its training runs,
 which count the sends (this_machine.SPINS; the bursts read 0.35-1.05 ms over MPI, which

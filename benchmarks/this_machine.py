@@ -47,9 +47,10 @@ PER_TENSOR = {"horovod-gloo", "horovod-mpi"}
 # not, and a tensor's transfer is spent inside that spin: the allreduces sent during the
 # compute take nothing from it beyond h (t_r = 0), and h is the thread's CPU in the
 # engine's training runs, which counts them. The bursts' t_r over MPI (0.35-1.05 ms,
-# varying by launch) is not charged: charged, it made every horovod-mpi row of four
-# reference runs worse, and in one job the steps that sent the gradients were faster
-# than the blocks that sent nothing (README, "How well it predicts").
+# varying by launch) is not charged: charged, it put horovod-mpi's rows of three
+# reference runs up to 32% off where this keeps them within 17% (within 2% in the
+# latest), and in one job the steps that sent the gradients were faster than the
+# blocks that sent nothing (README, "How well it predicts").
 SPINS = {"horovod-mpi"}
 
 
@@ -134,7 +135,7 @@ def background_cores(results: dict, engine: str, workers: int, batch: int) -> fl
       charges apart (t_x, m t_r), so they overstate h: by far where the threads sleep
       through the compute, as Gloo's do (0.05-0.07 against 0.002). A spinning thread's
       sends are not charged apart, and how long it spins depends on how far apart the
-      ranks' cycles run, which training sets (0.30 against the bursts' 0.23 over MPI):
+      ranks' cycles run, which training sets (0.33-0.35 against the bursts' 0.19):
       there they are the better measurement.
 
     A run's predicted img/s moves about 7% per 0.05 of h, so the overstatement matters."""

@@ -14,7 +14,8 @@ each rank alternates blocks of --block steps in three modes, ABC then CBA:
     aligned   an unwrapped copy of the model with a plain optimizer, and the vote
     free      the unwrapped copy alone: each rank computes at its own pace
 
-A block's time per step is its slowest rank's; each mode's figure is the median over
+A block's time per step is its slowest rank's, and so is the CPU the engine's threads
+took during it (other_threads_cores, per mode); each mode's figure is the median over
 --cycles, and so is each difference, taken within a cycle (the VM's speed drifts from
 one to the next): free is the compute; aligned - free is waiting for the slower rank
 plus the vote; sync - aligned is the gradient allreduce as a step pays it; sync - free
@@ -108,15 +109,21 @@ class Job:
             for _ in range(block):
                 self.step(mode, x, y)
         per_block: dict[str, list[float]] = {m: [] for m in MODES}
+        others: dict[str, list[float]] = {m: [] for m in MODES}
         free_sd: list[float] = []
         for cycle in range(cycles):
             for mode in MODES if cycle % 2 == 0 else MODES[::-1]:
                 self.together()
                 times = []
+                cpu, own, wall = time.process_time(), time.thread_time(), time.perf_counter()
                 for _ in range(block):
                     start = time.perf_counter()
                     self.step(mode, x, y)
                     times.append(time.perf_counter() - start)
+                # The engine's threads' CPU over the block, in cores (the busier rank's).
+                others[mode].append(self.slowest(
+                    ((time.process_time() - cpu) - (time.thread_time() - own))
+                    / (time.perf_counter() - wall)))
                 per_block[mode].append(1e3 * self.slowest(statistics.fmean(times)))
                 if mode == "free":  # the spread of the busier rank, which the other waits for
                     free_sd.append(1e3 * self.slowest(statistics.pstdev(times)))
@@ -130,7 +137,8 @@ class Job:
                 "wait_and_vote_ms": added("aligned", "free"),
                 "gradient_allreduce_ms": added("sync", "aligned"),
                 "communication_ms": added("sync", "free"),
-                "free_sd_ms": statistics.median(free_sd), "per_block_ms": per_block}
+                "free_sd_ms": statistics.median(free_sd), "per_block_ms": per_block,
+                "other_threads_cores": {m: statistics.median(v) for m, v in others.items()}}
 
 
 def measure(names: list[str], batches: list[int], cycles: int, block: int) -> dict:

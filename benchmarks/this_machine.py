@@ -195,6 +195,20 @@ def paired_errors(runs: dict[tuple, list[dict]], s: Scenario, engine: str, worke
     return errors
 
 
+def _share_of_free(results: dict, engine: str, workers: int, row: dict) -> float:
+    """s for one job's synchronized steps against its free blocks, which computed beside
+    the engine's own threads (Horovod's cycle runs whether or not a tensor is ready), so
+    that r1 has paid for them already: 1. But where the thread spins (SPINS), it spins
+    longer in free blocks, whose ranks' cycles drift apart, than in synchronized ones:
+    the share the sync blocks kept over the free blocks', from the CPU the engine's
+    threads took in each (step_split's other_threads_cores; 1 where not measured)."""
+    took = row.get("other_threads_cores")
+    if engine not in SPINS or took is None:
+        return 1.0
+    cores = results["machine"]["cores"] / workers
+    return compute_share(cores, 1, took["sync"]) / compute_share(cores, 1, took["free"])
+
+
 def validate_split(results: dict) -> list[dict]:
     """Predicted against measured communication and img/s of every row of the
     step_split section: the 2-worker step measured inside one job, against its own
@@ -205,13 +219,11 @@ def validate_split(results: dict) -> list[dict]:
         engine, n, batch = row["engine"], split["workers"], row["batch"]
         if ENGINE_TRANSPORT[engine] not in results["allreduce"]["transports"]:
             continue
-        # The free blocks computed beside the engine's own threads (Horovod's cycle
-        # runs whether or not a tensor is ready): r1 has paid for them already.
         s = replace(_this_machine(results, engine, n, batch, _gradient(split),
                                   1000 * batch / row["free_ms"],
                                   row["free_sd_ms"] / row["free_ms"], 1,
                                   f"{engine}'s path in one job, batch {batch}"),
-                    compute_share=1.0)
+                    compute_share=_share_of_free(results, engine, n, row))
         p = predict(s, n)
         measured = n * batch / (row["free_ms"] + row["communication_ms"]) * 1000
         rows.append({"case": f"one job, {engine}, batch {batch}", "engine": engine,

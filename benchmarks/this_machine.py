@@ -15,7 +15,8 @@ that comparison carries that noise: validate_machine gives beside the error each
 repeat's, predicted from that repeat's own compute-only runs (their spread is the
 noise); validate_split also compares with 2-worker steps measured inside one job
 against that job's own compute blocks (benchmarks/step_split.py: r1 and jitter from
-its free blocks, s = 1 because those blocks ran beside the engine's threads, the rest
+its free blocks, s = 1 because those blocks ran beside the engine's threads, but where
+the thread spins longer in them than in synchronized steps: _share_of_free; the rest
 as above).
 """
 

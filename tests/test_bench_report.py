@@ -320,3 +320,8 @@ def test_the_step_split_runs_the_trainers_engines_under_their_launchers(tmp_path
         assert row["communication_ms"] == pytest.approx(statistics.median(
             [a - b for a, b in zip(blocks["sync"], blocks["free"], strict=True)]))
         assert row["free_ms"] > 0 and row["free_sd_ms"] >= 0
+    # The engines' own threads' CPU per mode (the one-job share of a spinning thread):
+    # Horovod's cycles even through blocks that send nothing; DDP over MPI has no thread.
+    took = {row["engine"]: row["other_threads_cores"] for row in split["rows"]}
+    assert took["horovod-gloo"]["free"] > 0.02
+    assert all(0 <= v < 0.05 for v in took["ddp-mpi"].values())

@@ -120,6 +120,28 @@ def test_the_engines_threads_are_charged_to_launches_apart_not_to_one_job():
         assert after["predicted"] < before["predicted"]
 
 
+def test_one_job_charges_a_spinning_thread_what_it_spun_more_in_free_blocks_than_in_sync():
+    """Horovod over MPI spins longer in free blocks (ranks' cycles apart) than in
+    synchronized steps: one job's compute share is the sync blocks' over the free
+    blocks', from the CPU its threads took in each. Other engines keep 1 (their free
+    blocks paid the same threads); so does a row measured before that CPU was."""
+    results = json.loads((REPO / "benchmarks/results/reference/results.json").read_text())
+    for row in results["step_split"]["rows"]:
+        row.pop("other_threads_cores", None)
+    before = {r["case"]: r for r in validate_split(results)}
+    for row in results["step_split"]["rows"]:
+        row["other_threads_cores"] = {"sync": 0.28, "aligned": 0.36, "free": 0.40}
+    after = {r["case"]: r for r in validate_split(results)}
+    assert before.keys() == after.keys() and any("horovod-mpi" in c for c in after)
+    for case, row in after.items():
+        if row["engine"] == "horovod-mpi":
+            assert row["compute_share"] == pytest.approx(0.72 / 0.60)
+            assert row["predicted"] > before[case]["predicted"]
+        else:
+            assert row == before[case]
+            assert row["compute_share"] == 1.0
+
+
 def test_the_engines_threads_take_the_smaller_of_bursts_and_its_other_training_runs():
     """h for a configuration: its engine's training runs at the other batch sizes (never
     the run predicted), where they read less than the bursts; else the bursts. An engine

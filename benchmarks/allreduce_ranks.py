@@ -60,6 +60,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from trainer.runtime import other_threads_cpu
+
 WARMUP_CALLS = 3
 LOOPS = 5
 MAX_CALLS = 200  # per loop
@@ -248,7 +250,7 @@ def transport_cpu(transport, seconds: float, burst: float = 0.025) -> dict:
     pairs = max(1, round(seconds / burst / 2))
     for _ in range(pairs):
         for n in (0, sends):
-            cpu, own, wall = time.process_time(), time.thread_time(), time.perf_counter()
+            cpu, wall = other_threads_cpu(), time.perf_counter()
             waits = []
             while time.perf_counter() - wall < burst:
                 if len(waits) < n and time.perf_counter() - wall > \
@@ -257,7 +259,7 @@ def transport_cpu(transport, seconds: float, burst: float = 0.025) -> dict:
                 torch.mm(a, a)
             while len(waits) < n:  # a burst cut short: every rank must send them all
                 waits.append(start(sent[len(waits)], len(waits)))
-            others[n] += max(0.0, (time.process_time() - cpu) - (time.thread_time() - own))
+            others[n] += max(0.0, other_threads_cpu() - cpu)
             if n == 0:
                 plain += time.perf_counter() - wall
             for wait in waits:

@@ -51,7 +51,7 @@ from benchmarks.runs import available_engines, gradient_of, json_line, run_toget
 from launch.commands import local_command
 from trainer import engines
 from trainer.config import compose
-from trainer.runtime import detect
+from trainer.runtime import detect, other_threads_cpu
 
 MODES = ("sync", "aligned", "free")
 ENGINES = [name for name, e in RUNS.items() if e.program == "trainer"]
@@ -95,8 +95,10 @@ class Job:
         self.wait_for_vote()
         self.engine.all_gather_object(None)
 
-    def slowest(self, value: float) -> float:
-        return max(self.engine.all_gather_object(value))
+    def slowest(self, *values: float) -> list[float]:
+        """Each value's largest over the ranks (the slowest or busiest rank's), in one
+        gather."""
+        return [max(v) for v in zip(*self.engine.all_gather_object(values), strict=True)]
 
     def close(self) -> None:
         self.together()
@@ -115,18 +117,19 @@ class Job:
             for mode in MODES if cycle % 2 == 0 else MODES[::-1]:
                 self.together()
                 times = []
-                cpu, own, wall = time.process_time(), time.thread_time(), time.perf_counter()
+                cpu, wall = other_threads_cpu(), time.perf_counter()
                 for _ in range(block):
                     start = time.perf_counter()
                     self.step(mode, x, y)
                     times.append(time.perf_counter() - start)
-                # The engine's threads' CPU over the block, in cores (the busier rank's).
-                others[mode].append(self.slowest(
-                    ((time.process_time() - cpu) - (time.thread_time() - own))
-                    / (time.perf_counter() - wall)))
-                per_block[mode].append(1e3 * self.slowest(statistics.fmean(times)))
+                # The engine's threads' CPU over the block, in cores.
+                cores = (other_threads_cpu() - cpu) / (time.perf_counter() - wall)
+                mean, sd, cores = self.slowest(statistics.fmean(times),
+                                               statistics.pstdev(times), cores)
+                per_block[mode].append(1e3 * mean)
+                others[mode].append(cores)
                 if mode == "free":  # the spread of the busier rank, which the other waits for
-                    free_sd.append(1e3 * self.slowest(statistics.pstdev(times)))
+                    free_sd.append(1e3 * sd)
         # The VM's speed drifts from cycle to cycle: differences are taken within a cycle.
         def added(mode: str, base: str) -> float:
             pairs = zip(per_block[mode], per_block[base], strict=True)

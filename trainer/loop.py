@@ -71,21 +71,17 @@ class Stopwatch:
         self._start: float | None = None
         self._others_at_start = 0.0
 
-    @staticmethod
-    def _other_threads_cpu() -> float:
-        return time.process_time() - time.thread_time()
-
     def start(self) -> None:
         if self._start is None:
             self._start = time.perf_counter()
-            self._others_at_start = self._other_threads_cpu()
+            self._others_at_start = runtime.other_threads_cpu()
 
     def pause(self) -> None:
         if self._start is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.total += time.perf_counter() - self._start
-            self.other_threads_cpu += self._other_threads_cpu() - self._others_at_start
+            self.other_threads_cpu += runtime.other_threads_cpu() - self._others_at_start
             self._start = None
 
     def read(self) -> float:

@@ -28,17 +28,49 @@ import logging
 import sys
 
 import hydra
+from hydra._internal.utils import get_args_parser
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import DictConfig
 
 from trainer import config, job, runtime
+from trainer.exits import EXIT_CONFIG
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
     sys.exit(job.run(cfg))
 
 
+def check_overrides(argv: list[str]) -> None:
+    """Compose the config of every run the command line asks for, so that a bad group
+    option (dataset=imagenet), key or type (optim.lr=abc) is a ConfigError (exit 2) here,
+    where Hydra itself would exit 1. A sweep (-m a=1,2) is checked one value at a time."""
+    args = get_args_parser().parse_args(argv)
+    if args.help or args.hydra_help or args.info or args.shell_completion \
+            or args.config_path or args.config_name or args.config_dir:
+        return  # Hydra's own questions, or another config than spotring's
+    try:
+        parsed = OverridesParser.create().parse_overrides(args.overrides)
+    except HydraException as e:
+        raise config.ConfigError(f"{e}") from e
+    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+    config.compose(fixed)
+    for sweep in (o for o in parsed if o.is_sweep_override()):
+        try:
+            values = list(sweep.sweep_string_iterator())
+        except HydraException:
+            continue  # an interval or other range for a search: the sweeper samples it
+        for value in values:
+            config.compose([*fixed, f"{sweep.get_key_element()}={value}"])
+
+
 def main() -> None:
+    try:
+        check_overrides(sys.argv[1:])
+    except config.ConfigError as e:
+        job.report_bad_input(e, runtime.detect())
+        sys.exit(EXIT_CONFIG)
     rank = runtime.env_rank()
     if rank > 0:
         # Only rank 0 keeps a run directory and a log file; the others must not write

@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from hydra import compose as hydra_compose
-from hydra import initialize_config_dir
+from hydra import initialize_config_module
 from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException
 from omegaconf import MISSING, DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+# conf/ is a package of its own, so that it ships in the wheel (pkg://conf for Hydra).
+CONF_MODULE = "conf"
 
 # ----------------------------------------------------------------------------- schemas
 
@@ -215,18 +215,26 @@ def compose(overrides: list[str]) -> DictConfig:
     return compose_checked("config", [o for o in overrides
                                       if not o.lstrip("+~").startswith("hydra")],
                            "See the groups under conf/ or print the composed config with "
-                           "`python -m trainer --cfg job`.")
+                           "`spotring train --cfg job`.")
 
 
 def compose_checked(name: str, overrides: list[str], hint: str) -> DictConfig:
     """conf/``name``.yaml with ``overrides``; a bad override is a ConfigError ending in
     ``hint``."""
     try:
-        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        with initialize_config_module(CONF_MODULE, version_base="1.3"):
             return hydra_compose(name, overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as e:
         cause = f": {e.__cause__}" if e.__cause__ else ""
-        raise ConfigError(f"{e}{cause}\n{hint}") from e
+        raise ConfigError(f"{_for_users(f'{e}{cause}')}\n{hint}") from e
+
+
+def _for_users(message: str) -> str:
+    """Hydra's message without what only its developers need: the search path and
+    OmegaConf's type names. The bad value and the valid options stay."""
+    message = message.split("\nConfig search path:")[0]
+    return "\n".join(line for line in message.splitlines() if line.strip() and not
+                     line.lstrip().startswith(("reference_type=", "object_type=")))
 
 
 # -------------------------------------------------------------------------- validation
@@ -342,7 +350,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             "bad configuration:\n  - " + "\n  - ".join(problems)
             + "\nSee the groups under conf/ or print the composed config with "
-            "`python -m trainer --cfg job`."
+            "`spotring train --cfg job`."
         )
 
 

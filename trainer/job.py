@@ -45,7 +45,7 @@ def run(cfg: DictConfig) -> int:
     try:
         checkpoints, found, dataset, device = _prepare(cfg, launch)
     except ConfigError as e:
-        _report_bad_input(e, launch)
+        report_bad_input(e, launch)
         return EXIT_CONFIG
 
     engine = engines.create(cfg.engine, launch, device)
@@ -123,7 +123,7 @@ def _run_dir() -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
-def _report_bad_input(error: ConfigError, launch: runtime.Launch) -> None:
+def report_bad_input(error: ConfigError, launch: runtime.Launch) -> None:
     where = "" if launch.world_size == 1 else f"rank {launch.rank} ({socket.gethostname()}): "
     if launch.rank == 0 or isinstance(error, datasets.DataError):  # data is per host
         print(f"spotring: {where}error: {error}", file=sys.stderr)

@@ -1,0 +1,94 @@
+"""spotring as a user installs it: the wheel, in a new virtual environment, used from a
+directory outside the checkout. The new environment borrows torch and the other
+dependencies from the checkout's .venv (a .pth line, so none of .venv's own .pth files,
+and so not its editable spotring, are read); trainer, launch, benchmarks and conf come
+from the wheel alone. moto, matplotlib and pytest are shadowed by modules that refuse to
+import, so the trainer and the launcher's dry run are shown not to need them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import QUICK, REPO
+
+pytestmark = pytest.mark.slow
+
+NOT_FOR_USERS = ("moto", "matplotlib", "pytest")
+STEPS = ["train.max_steps=4", "train.eval_samples=500", *QUICK]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> dict:
+    """PATH and environment of a new venv with the wheel installed, and a bare cwd."""
+    root = tmp_path_factory.mktemp("user")
+    wheels = root / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", wheels, REPO], check=True, timeout=300)
+    env_dir = root / "env"
+    venv.create(env_dir, with_pip=False)
+    site = Path(subprocess.run(
+        [env_dir / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()"
+         "['purelib'])"], check=True, capture_output=True, text=True).stdout.strip())
+    (site / "borrowed.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", env_dir / "bin" / "python",
+                    "install", "--no-deps", "-q", *wheels.glob("spotring-*.whl")],
+                   check=True, timeout=300)
+    blocked = root / "blocked"
+    blocked.mkdir()
+    for name in NOT_FOR_USERS:
+        (blocked / f"{name}.py").write_text(
+            f"raise ImportError('{name} is not installed for this user (tests/test_package.py)')\n")
+    work = root / "work"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env |= {"PATH": f"{env_dir / 'bin'}:{Path(sys.executable).parent}:{env['PATH']}",
+            "PYTHONPATH": str(blocked), "OMP_NUM_THREADS": "1"}
+    return {"env": env, "cwd": work, "bin": env_dir / "bin"}
+
+
+def user(installed: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(list(args), cwd=installed["cwd"], env=installed["env"],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_command_is_the_wheels(installed):
+    proc = user(installed, "spotring", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "predict" in proc.stdout
+    where = user(installed, "python", "-c", "import trainer, conf; print(trainer.__file__, "
+                 "conf.__file__)")
+    assert where.returncode == 0, where.stderr
+    assert str(REPO) not in where.stdout and "site-packages" in where.stdout
+
+
+def test_spotring_train_alone(installed, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = user(installed, "spotring", "train", f"data.root={REPO / 'data'}",
+                f"hydra.run.dir={run_dir}", *STEPS)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and 0 < summary["test_accuracy"] <= 1
+
+
+def test_spotring_train_under_torchrun(installed, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = user(installed, "torchrun", "--standalone", "--nproc-per-node", "2", "--no-python",
+                "spotring", "train", f"data.root={REPO / 'data'}", f"hydra.run.dir={run_dir}",
+                *STEPS)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 4
+
+
+def test_spotring_launch_dry_run(installed):
+    proc = user(installed, "spotring", "launch", "--dry-run", "nodes=8")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "8" in proc.stdout

@@ -1,28 +1,21 @@
 """img/s per batch size per model: the batch-size table of the Chameleon Cloud talk.
 
-    python -m benchmarks.batch_sizes                       # built-in models, batch 32..128
-    python -m benchmarks.batch_sizes --full                # + batch 16 and 256, ResNet-50
-    python -m benchmarks.batch_sizes --batch-sizes 8 512 --repeats 3
-
 One worker with every core of the host (a node, as the talk's 1-GPU column), synthetic
-data of each model's input shape, the trainer itself: each group of models of one
-shape is one Hydra sweep (benchmarks/trainer_sweep.py) over models x batch sizes.
-img/s is mean +- 1.96 sigma over the measured intervals after the warm-up, as in
-benchmarks/throughput.py; with --repeats, sweeps are repeated and intervals pooled.
+data of each model's input shape, the trainer itself: each group of models of one shape
+is one Hydra sweep (benchmarks/trainer_sweep.py) over models x batch sizes. img/s is the
+mean over the measured intervals after the warm-up, with its 95% confidence interval, as
+in benchmarks/throughput.py; with repeats, sweeps are repeated and intervals pooled.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from benchmarks import record
 from benchmarks.runs import Timing, intervals_of, run_together, shown, synthetic
-from benchmarks.stats import interval_stats, median_range
+from benchmarks.stats import mean_ci
 from launch.commands import local_command
 
 
@@ -42,7 +35,7 @@ GROUPS = [
     Group((1, 28, 28), ("convnet", "mnist_convnet", "lenet"), Timing(5, 10, 5)),
     Group((3, 32, 32), ("cifar_convnet", "resnet20"), Timing(1, 3, 5)),
 ]
-# ResNet-50 at ImageNet size, the talk's model: a few img/s on a CPU, so --full only.
+# ResNet-50 at ImageNet size, the talk's model: a few img/s on a CPU, so the full run only.
 RESNET50 = Group((3, 224, 224), ("torchvision",), Timing(1, 2, 5), ("model.arch=resnet50",),
                  train_size=256, batches=(8, 16, 32))
 QUICK_BATCHES = [32, 64, 128]
@@ -69,7 +62,8 @@ def _sweep(group: Group, batches: list[int], threads: int, sweep_dir: Path) -> s
 
 def measure(groups: list[Group], batches: list[int], threads: int, repeats: int,
             folder: Path) -> dict:
-    intervals: dict[tuple[str, str, int], list[list[float]]] = {}
+    """The batch_sizes section of results.json."""
+    intervals: dict[tuple[str, str, int], list[float]] = {}
     commands = []
     for repeat in range(repeats):
         for g, group in enumerate(groups):
@@ -80,36 +74,12 @@ def measure(groups: list[Group], batches: list[int], threads: int, repeats: int,
                 overrides = dict(o.split("=", 1) for o in
                                  yaml.safe_load((point / ".hydra" / "overrides.yaml").read_text()))
                 key = (label(overrides), shape, int(overrides["train.batch_size"]))
-                intervals.setdefault(key, []).append([
+                intervals.setdefault(key, []).extend(
                     rate for step, rate in intervals_of("trainer", point, "")
-                    if step > group.timing.warmup_steps])
-            print(f"[{repeat + 1}/{repeats}] batch sizes of {', '.join(group.models)} done",
+                    if step > group.timing.warmup_steps)
+            print(f"[{repeat + 1}/{repeats}] batch sizes of {', '.join(group.models)}: done",
                   flush=True)
     rows = [{"model": model, "shape": shape, "batch": batch,
-             "images_per_second": interval_stats([x for run in runs for x in run]),
-             "median": median_range([interval_stats(run)["mean"] for run in runs]),
-             "intervals": runs}
-            for (model, shape, batch), runs in intervals.items()]
+             "images_per_second": mean_ci(values), "intervals": values}
+            for (model, shape, batch), values in intervals.items()]
     return {"threads": threads, "repeats": repeats, "commands": commands, "rows": rows}
-
-
-def groups_of(full: bool) -> list[Group]:
-    return GROUPS + [RESNET50] if full else GROUPS
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch-sizes", nargs="+", type=int, default=None,
-                   help=f"default {QUICK_BATCHES}, --full {FULL_BATCHES}")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="of the one worker")
-    p.add_argument("--full", action="store_true")
-    p.add_argument("--repeats", type=int, default=1)
-    record.add_name_argument(p, "batch-sizes")
-    args = p.parse_args()
-    batches = args.batch_sizes or (FULL_BATCHES if args.full else QUICK_BATCHES)
-    record.write(args.name, "batch-sizes", lambda folder: {"batch_sizes": measure(
-        groups_of(args.full), batches, args.threads, args.repeats, folder)})
-
-
-if __name__ == "__main__":
-    main()

@@ -1,14 +1,15 @@
 """What a measurement ran on: hardware, versions, load, the code's commit.
 
-Every results.json starts with this, and every report.md with its table, so a figure
+Every results.json starts with this, and every report.md with its table, so that a figure
 is never read apart from the machine that produced it. The load average matters on a
-shared VM: compare runs only when it was about the same.
+shared machine: above the number of cores, other work shared it.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from importlib import metadata
@@ -32,9 +33,8 @@ def _cpu_model() -> str:
 
 def _memory_gib() -> float | None:
     try:
-        kib = int(Path("/proc/meminfo").read_text().split()[1])  # MemTotal
-        return round(kib / 2**20, 1)
-    except (OSError, ValueError, IndexError):
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError):
         return None
 
 
@@ -45,44 +45,44 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+def _output(*command: str) -> str:
+    """The first line a command prints; "" where it cannot run or fails."""
+    try:
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
 
 
 def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def gpus() -> list[str]:
-    import torch
-
-    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+def commit() -> str:
+    """The code's commit, and whether it had uncommitted changes (results folders are
+    what a run writes, not code: they do not count); "unknown" outside a git checkout."""
+    head = _output("git", "rev-parse", "--short", "HEAD")
+    if not head:
+        return "unknown"
+    dirty = _output("git", "status", "--porcelain", "--", ".", ":!benchmarks/results")
+    return head + (" (with uncommitted changes)" if dirty else "")
 
 
 def describe() -> dict:
     import torch
 
-    mpirun = subprocess.run([str(BIN / "mpirun"), "--version"], capture_output=True, text=True)
+    mpirun = shutil.which("mpirun", path=f"{BIN}:{os.environ.get('PATH', '')}")
     return {
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
         "memory_gib": _memory_gib(),
-        "gpus": gpus(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "os": platform.platform(),
         "python": sys.version.split()[0],
         "packages": {p: _version(p) for p in PACKAGES},
-        "mpi": mpirun.stdout.splitlines()[0] if mpirun.returncode == 0 else None,
+        "mpi": (_output(mpirun, "--version").splitlines() or [None])[0] if mpirun else None,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available()
         else None,
         "commit": commit(),
         "load_average": load_average(),
     }
-
-
-def commit() -> str:
-    """The code's commit, and whether it had uncommitted changes. Results folders are what
-    a run writes, not code: refreshing the committed reference rewrites one, which does
-    not make the code uncommitted."""
-    return _git("rev-parse", "--short", "HEAD") + (
-        " (with uncommitted changes)"
-        if _git("status", "--porcelain", "--", ".", ":!benchmarks/results") else "")

@@ -1,10 +1,12 @@
 """The report's figures, one function per PNG, each drawn from a results.json section.
 
     throughput.png   total img/s against workers, per engine, with the ideal line
-    efficiency.png   scaling efficiency per engine, and the no-communication ceiling
+    efficiency.png   scaling efficiency per configuration
     allreduce.png    bus bandwidth against message size, per transport
     batch_sizes.png  img/s against batch size, per model
     prediction.png   the predictor against the published figures
+
+Error bars are the 95% confidence intervals of the tables.
 """
 
 from __future__ import annotations
@@ -20,21 +22,17 @@ from benchmarks import predict  # noqa: E402
 from benchmarks.throughput import reference  # noqa: E402
 
 
-def _save(fig, path: Path) -> Path:
+def _save(fig, path: Path) -> None:
+    """The PNG whole or not at all: drawn beside it, then renamed over it."""
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    part = path.with_name(path.name + ".part")
+    fig.savefig(part, format="png", dpi=110)
     plt.close(fig)
-    return path
+    part.replace(path)
 
 
-def _spread(rows: list[dict]) -> list[list[float]]:
-    """Error bars from the slowest to the fastest repeat, in total img/s."""
-    return [[r["total_median"] - r["workers"] * r["per_worker_median"]["low"] for r in rows],
-            [r["workers"] * r["per_worker_median"]["high"] - r["total_median"] for r in rows]]
-
-
-def throughput(section: dict, path: Path) -> Path:
-    rows = [r for r in section["rows"] if not r["independent"]]
+def throughput(section: dict, path: Path) -> None:
+    rows = section["rows"]
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4), squeeze=False)
     for ax, batch in zip(axes[0], batches, strict=True):
@@ -42,39 +40,36 @@ def throughput(section: dict, path: Path) -> Path:
         top = max(r["workers"] for r in at)
         ones = {r["engine"]: r for r in at if r["workers"] == 1}
         for ref, one in ones.items():
-            ax.plot([1, top], [one["total_median"], top * one["total_median"]], ":",
+            ax.plot([1, top], [one["total"]["mean"], top * one["total"]["mean"]], ":",
                     color="grey", label=f"ideal ({'plain' if ref == 'plain' else 'trainer'})")
         for engine in dict.fromkeys(r["engine"] for r in at if r["workers"] > 1):
             line = [ones[reference(engine)]] if reference(engine) in ones else []
             line += sorted((r for r in at if r["engine"] == engine and r["workers"] > 1),
                            key=lambda r: r["workers"])
-            ax.errorbar([r["workers"] for r in line], [r["total_median"] for r in line],
-                        yerr=_spread(line), marker="o", capsize=3, label=engine)
+            ax.errorbar([r["workers"] for r in line], [r["total"]["mean"] for r in line],
+                        yerr=[r["total"]["ci95"] for r in line], marker="o", capsize=3,
+                        label=engine)
         ax.set(title=f"{section['workload']}, batch {batch} per worker", xlabel="workers",
-               ylabel="img/s (total, median of repeats)")
+               ylabel="img/s (total)")
         ax.set_xticks(sorted({r["workers"] for r in at}))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    return _save(fig, path)
+    _save(fig, path)
 
 
-def efficiency(section: dict, path: Path) -> Path:
+def efficiency(section: dict, path: Path) -> None:
     rows = [r for r in section["rows"] if "efficiency" in r][::-1]
-    values = [r["efficiency"] for r in rows]
-    low = [v - r["efficiency_per_repeat"]["low"] for v, r in zip(values, rows, strict=True)]
-    high = [r["efficiency_per_repeat"]["high"] - v for v, r in zip(values, rows, strict=True)]
     fig, ax = plt.subplots(figsize=(7.5, 0.45 * len(rows) + 1.4))
-    ax.barh(range(len(rows)), values, xerr=[low, high], capsize=3,
-            color=["lightgrey" if r["independent"] else "tab:blue" for r in rows])
+    ax.barh(range(len(rows)), [r["efficiency"]["mean"] for r in rows],
+            xerr=[r["efficiency"]["ci95"] for r in rows], capsize=3, color="tab:blue")
     ax.axvline(1.0, color="grey", linestyle=":")
     ax.set_yticks(range(len(rows)), [f"{r['label']}, batch {r['batch']}" for r in rows],
                   fontsize=8)
-    ax.set_xlabel("scaling efficiency against 1 worker (bars: range over repeats)")
-    ax.set_title("Efficiency; grey: no communication, the host's own ceiling", fontsize=9)
-    return _save(fig, path)
+    ax.set_xlabel("scaling efficiency against 1 worker")
+    _save(fig, path)
 
 
-def allreduce(section: dict, gradient_bytes: int | None, path: Path) -> Path:
+def allreduce(section: dict, gradient_bytes: int | None, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for transport, rows in section["transports"].items():
         ax.plot([r["bytes"] for r in rows], [r["busbw_gbps"] for r in rows], marker=".",
@@ -85,10 +80,10 @@ def allreduce(section: dict, gradient_bytes: int | None, path: Path) -> Path:
            title=f"Allreduce bus bandwidth, {section['ranks']} ranks")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    _save(fig, path)
 
 
-def batch_sizes(section: dict, path: Path) -> Path:
+def batch_sizes(section: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for model in dict.fromkeys(r["model"] for r in section["rows"]):
         rows = sorted((r for r in section["rows"] if r["model"] == model),
@@ -96,30 +91,28 @@ def batch_sizes(section: dict, path: Path) -> Path:
         ax.errorbar([r["batch"] for r in rows], [r["images_per_second"]["mean"] for r in rows],
                     yerr=[r["images_per_second"]["ci95"] for r in rows], marker="o", capsize=3,
                     label=f"{model} ({rows[0]['shape']})")
-    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="img/s (mean +- 1.96 sigma)",
+    batches = sorted({r["batch"] for r in section["rows"]})
+    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="img/s",
            title=f"One worker, {section['threads']} threads")
-    ax.set_xticks(sorted({r["batch"] for r in section["rows"]}),
-                  [str(b) for b in sorted({r["batch"] for r in section["rows"]})])
+    ax.set_xticks(batches, [str(b) for b in batches])
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    _save(fig, path)
 
 
-def prediction(section: dict, path: Path) -> Path:
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    cases = {}
+def prediction(section: dict, path: Path) -> None:
+    cases: dict[str, list[dict]] = {}
     for r in section["published"]:
         cases.setdefault(r["case"], []).append(r)
-    for ax, (case, rows) in zip((left, right), cases.items(), strict=False):
+    fig, axes = plt.subplots(1, len(cases), figsize=(5.5 * len(cases), 4), squeeze=False)
+    for ax, (case, rows) in zip(axes[0], cases.items(), strict=True):
         s = predict.PRESETS[case]
         what = rows[0]["what"]
         nodes = list(range(1, max(max(r["nodes"] for r in rows) * 2, 16) + 1))
-        ax.plot([n * s.gpus_per_node for n in nodes],
-                [predict.predict(s, n)[what] for n in nodes], label="predicted")
+        gpus = [n * s.gpus_per_node for n in nodes]
+        ax.plot(gpus, [predict.predict(s, n)[what] for n in nodes], label="predicted")
         if what == "img_s":
-            ax.plot([n * s.gpus_per_node for n in nodes],
-                    [n * s.gpus_per_node * s.img_s for n in nodes], ":", color="grey",
-                    label="ideal")
+            ax.plot(gpus, [g * s.img_s for g in gpus], ":", color="grey", label="ideal")
         ax.plot([r["nodes"] * s.gpus_per_node for r in rows], [r["published"] for r in rows],
                 "o", color="black", label="published")
         ax.set(title=s.name, xlabel="GPUs", ylabel="img/s" if what == "img_s" else "efficiency")
@@ -128,4 +121,19 @@ def prediction(section: dict, path: Path) -> Path:
         ax.title.set_fontsize(8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    return _save(fig, path)
+    _save(fig, path)
+
+
+def draw(r: dict, folder: Path) -> None:
+    """Every plot whose section results.json ``r`` has, into ``folder``."""
+    if "throughput" in r:
+        throughput(r["throughput"], folder / "throughput.png")
+        if any("efficiency" in row for row in r["throughput"]["rows"]):
+            efficiency(r["throughput"], folder / "efficiency.png")
+    if "allreduce" in r:
+        allreduce(r["allreduce"], r.get("throughput", {}).get("gradient_bytes"),
+                  folder / "allreduce.png")
+    if "batch_sizes" in r:
+        batch_sizes(r["batch_sizes"], folder / "batch_sizes.png")
+    if "prediction" in r:
+        prediction(r["prediction"], folder / "prediction.png")

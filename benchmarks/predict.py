@@ -1,111 +1,38 @@
 """How many nodes? img/s, efficiency, time to train and cost for 1 to 256 nodes.
 
-    python -m benchmarks.predict --preset horovod-resnet101 --deadline-hours 12
-    python -m benchmarks.predict --img-s 194.86 --batch 128 --gradient-mb 102.2 \
-        --link-gbit 10 --latency-us 50 --samples 1281167 --epochs 90 --price 0.9
-    python -m benchmarks.predict --results latest     # this machine, from `make bench`
-    python -m benchmarks.predict --measure            # this machine, measured now (~1 min)
-    python -m benchmarks.predict --validate           # the published figures, and errors
+    spotring predict --preset horovod-resnet101 --deadline-hours 12 --price 3.06
+    spotring predict --img-s 194.86 --batch 128 --gradient-mb 102.2 --link-gbit 10 \
+        --latency-us 50 --samples 1281167 --epochs 90 --price 0.9
+    spotring predict --results reference --link-gbit 25     # r1 measured by `spotring bench`
+    spotring predict --validate                              # against the published tables
 
-The model (alpha-beta, ring allreduce; Thakur et al. 2005, Patarasuk & Yuan 2009).
-Every step, each of the N = nodes x gpus_per_node workers
-
-    computes      t_c = batch / (r1 s)         r1: img/s of one worker computing
-                                               s: the share of its compute cores it
-                                               keeps (below)
-                  t_b = 2/3 t_c                backward is about twice the forward pass
-    averages the G gradient bytes in k = ceil(G / bucket) ring allreduces, each of
-                  2(N-1) messages (reduce-scatter, then all-gather):
-                  T = k 2(N-1) alpha + 2(N-1)/N G / beta
-                  alpha: latency per message; beta: bytes/s of the slowest link of the
-                  ring: the network between nodes, the host's own links with one node
-    overlaps      bucket i leaves when backward has made it and the link is free; with
-                  buckets made evenly over t_b the last one ends at
-                  t_b + max(T/k, T - t_b (k-1)/k), so a step exposes
-                  t_x = max(T/k, T - t_b (k-1)/k)    (one bucket: no overlap at all)
-    waits         for the slowest worker, as every synchronous step does: with step
-                  times of standard deviation sigma = jitter x t_c, the slowest of N is
-                  sigma e_N late, e_N = E[max of N standard normals] (0, 0.56, 1.03,
-                  1.42, 2.59, 3.04 for N = 1, 2, 4, 8, 128, 512)
-    and pays      c 2(N-1) alpha for c other blocking small allreduces per step (the
-                  trainer's spot-notice vote where it blocks, summed at once over MPI
-                  by engine=ddp engine.backend=mpi: c = 1; over Gloo and Horovod it is
-                  sent at a step's end and read a step later, while the next step
-                  computes: c = 0; the plain loop: 0)
-    and wakes     the transport's threads, which slept through the compute: t_w, what
-                  an allreduce of the gradient after compute takes over a back-to-back
-                  one (measured, benchmarks/allreduce_ranks.py; 0 where not measured)
-    and lends     the compute the CPU of the m allreduces it sends while it computes,
-                  t_r each, where the transport's threads share its cores (below):
-                  the gradient's before its last (k - 1 buckets; Horovod: one per
-                  gradient tensor, below) and the vote where it does not block
-    takes         t_step = t_c + sigma e_N + t_x + c 2(N-1) alpha + t_w + m t_r
-                  img/s = N batch / t_step;  efficiency = batch / r1 / t_step
-
-Shared cores. Where the workers compute on CPU cores, the engine's own background threads
-run on the same cores: Horovod's negotiation cycle wakes every HOROVOD_CYCLE_TIME (1 ms)
-whether or not a tensor is ready. A worker given c cores for its `threads` compute
-threads, whose engine takes h cores in the background, keeps s = min(1, (c - h) /
-threads) of them. h is measured, not fitted: the CPU a transport's threads take from a
-program that keeps every core of the host computing (benchmarks/allreduce_ranks.py), or
-from the engine's own training runs where those took less, or always where the engine's
-thread spins (Horovod over MPI; this_machine.background_cores).
-On GPUs, and where cores are spare, s = 1.
-
-An allreduce sent during backward hides its latency there (t_x), but on shared cores
-not its CPU: t_r, what one more allreduce sent while a program computes takes from it,
-measured beside h by the same program (allreduce_ranks.py; its bursts without sends give
-h). Here: Gloo 0.80 ms, Horovod over Gloo 0.35 ms (reference run). Over MPI, Horovod's
-thread spins through every cycle whether or not a tensor is ready, and a tensor's
-transfer is spent inside that spin: t_r = 0 there, and h comes from its training runs,
-which count the sends (this_machine.SPINS; the bursts read 0.35-1.05 ms over MPI, which
-training did not show). Horovod negotiates every
-gradient tensor and fuses only those ready in the same cycle: the model sends each on
-its own (m = tensors - 1 + the vote; an upper bound: the MNIST convnet's 8 went in 5.9
-responses a step in Horovod's timeline). Inside one job at batch 32 / 64 / 128,
-Horovod over Gloo's gradients sent as backward makes them added 5.2 / 5.2 / 6.7 ms to a
-step, the same gradients sent at once after backward 2.6 / 2.5 / 4.2 ms: sending early
-cost more than it hid. A worker with a whole spare core (c - threads >= 1), and a GPU
-worker, lends nothing: t_r = 0. t_r = 0 too where it was not measured (results from
-before it was; MPI's blocking calls, which are the compute's own thread).
-
-Time to train = samples x epochs / img/s; cost = nodes x hours x price per node-hour.
-The cost-optimal node count for a deadline is the cheapest that finishes in time.
-Batch per worker is fixed (weak scaling, as Horovod benchmarks): the global batch grows
-with N and the learning rate with it (the linear scaling rule).
-
-Validation (--validate; tests/test_predict.py checks the 10%):
-
-    Chameleon Cloud talk, MXNet ResNet-50, synthetic data, 1 GPU per node, SSH between
-    nodes: 194.86, 389.81, 1466.31 img/s on 1, 2, 8 GPUs. Parameters: r1 = 194.86 (the
-    talk's 1-GPU figure); batch 128 per GPU (MXNet's train_imagenet.py default: the talk
-    does not say; with batch 32 the model predicts 8 GPUs 17% low, so the near-linear
-    figure implies a large batch); G = 25,557,032 parameters x 4 B; bucket 4 MB
-    (MXNet's kvstore sends each gradient, arrays over 10^6 values in slices, as backward
-    makes them); 10 Gbit/s Ethernet (Chameleon's nodes) with alpha = 50 us (TCP).
-    Horovod, docs/benchmarks.rst: 90% scaling efficiency for ResNet-101 on 128 servers
-    x 4 Pascal GPUs over RoCE-capable 25 Gbit/s. Parameters: batch 64 and r1 = 1656.82
-    / 16 = 103.6 img/s per GPU (the same page's tf_cnn_benchmarks ResNet-101 example);
-    G = 44,549,160 x 4 B; bucket 64 MB (HOROVOD_FUSION_THRESHOLD's default until 0.21);
-    beta = 25 Gbit/s, alpha = 10 us (RDMA; a flat NCCL ring crosses each node's NIC
-    once each way per step, so the NIC is the ring's slowest link).
-    Both GPU cases: jitter 1% (an assumption: a GPU's step time varies by about that
-    in synthetic benchmarks; with 0 every figure is still within 10%, see the tests),
-    c = 0 (the benchmarks run nothing but the gradient allreduces).
-    This machine: benchmarks/this_machine.py.
+The model (docs/benchmarks.md). Each of the N = nodes x gpus_per_node workers computes its
+batch b in t_c = b / r1 (r1: img/s of one worker alone), the backward pass being the last
+2/3 of it. Its G gradient bytes travel in k = ceil(G / bucket) ring allreduces, which
+together take T = 2(N-1) k alpha + 2(N-1)/N G / beta (alpha: latency per message, beta:
+bytes/s of the ring's slowest link; between nodes the network's, within one node the
+node's own). Bucket i leaves as soon as backward has made it and the link is free, so a
+step exposes t_x = max(T/k, T - t_b (k-1)/k) of it beyond the compute (one bucket: all
+of T). A step takes t_c + t_x; img/s = N b / (t_c + t_x); efficiency = t_c / (t_c + t_x).
+Time to train = samples x epochs / img/s; cost = nodes x hours x price per node-hour; the
+cost-optimal node count for a deadline is the cheapest that finishes in time. The batch
+per worker is fixed (weak scaling, as Horovod's benchmarks): the global batch grows with N.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import math
+import sys
 from dataclasses import dataclass, replace
 
 import numpy as np
 
+from benchmarks.runs import ENGINES
+
 NODE_COUNTS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-BACKWARD_FRACTION = 2 / 3
+MAX_NODES = NODE_COUNTS[-1]
+BACKWARD_FRACTION = 2 / 3  # backward takes about twice the forward pass
 MB = 1e6
 
 
@@ -115,19 +42,13 @@ class Scenario:
 
     name: str
     batch: int  # per worker
-    img_s: float  # r1: one worker computing
+    img_s: float  # r1: one worker computing alone
     gradient_bytes: float
     bucket_bytes: float
     latency_s: float  # alpha between nodes
     bandwidth: float  # beta between nodes, bytes/s
     gpus_per_node: int = 1
-    jitter: float = 0.01  # standard deviation of a worker's step time / its mean
-    collectives: int = 0  # other blocking small allreduces per step
-    compute_share: float = 1.0  # s: of its compute cores, what a worker keeps
-    wakeup_s: float = 0.0  # t_w: a cold gradient allreduce over a back-to-back one
-    sent_while_computing: int = 0  # m: allreduces sent while a worker computes
-    sent_cpu_s: float = 0.0  # t_r: the CPU each takes from its compute
-    intra_latency_s: float = 5e-6  # alpha and beta inside one node (PCIe)
+    intra_latency_s: float = 5e-6  # alpha and beta within one node (PCIe)
     intra_bandwidth: float = 10e9
     samples: int = 1_281_167
     epochs: float = 90
@@ -143,59 +64,30 @@ def ring_allreduce_seconds(nbytes: float, ranks: int, latency_s: float, bandwidt
     return messages * 2 * (ranks - 1) * latency_s + 2 * (ranks - 1) / ranks * nbytes / bandwidth
 
 
-@functools.cache  # predict() asks for it once per node count: 256 times for a table
-def expected_max_of_normals(n: int) -> float:
-    """E[max of n independent standard normal draws]: how many standard deviations the
-    slowest of n workers is behind the mean (numerical integration)."""
-    if n == 1:
-        return 0.0
-    x = np.linspace(-12.0, 12.0, 48001)
-    pdf = np.exp(-x * x / 2) / math.sqrt(2 * math.pi)
-    cdf = 0.5 * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
-    return float(np.trapezoid(x * n * pdf * cdf ** (n - 1), x))
-
-
-def step_seconds(s: Scenario, nodes: int) -> dict[str, float]:
-    """One step on ``nodes`` nodes: compute, waiting for the slowest worker, and the
-    exposed communication (gradients after overlap, and the other collectives)."""
+def predict(s: Scenario, nodes: int) -> dict:
+    """img/s, efficiency, the step's compute and exposed communication, time and cost of
+    training on ``nodes`` nodes."""
     workers = nodes * s.gpus_per_node
-    compute = s.batch / (s.img_s * s.compute_share)
+    compute = s.batch / s.img_s
     latency, bandwidth = ((s.latency_s, s.bandwidth) if nodes > 1
                           else (s.intra_latency_s, s.intra_bandwidth))
     k = max(1, math.ceil(s.gradient_bytes / s.bucket_bytes))
     total = ring_allreduce_seconds(s.gradient_bytes, workers, latency, bandwidth, k)
     backward = BACKWARD_FRACTION * compute
     exposed = max(total / k, total - backward * (k - 1) / k)
-    others = ring_allreduce_seconds(0, workers, latency, bandwidth, s.collectives)
-    wakeup, lent = ((s.wakeup_s, s.sent_while_computing * s.sent_cpu_s) if workers > 1
-                    else (0.0, 0.0))
-    return {"compute": compute, "wait": s.jitter * compute * expected_max_of_normals(workers),
-            "communication": exposed + others + wakeup + lent}
-
-
-def predict(s: Scenario, nodes: int) -> dict:
-    t = step_seconds(s, nodes)
-    step = sum(t.values())
-    workers = nodes * s.gpus_per_node
+    step = compute + exposed
     img_s = workers * s.batch / step
     hours = s.samples * s.epochs / img_s / 3600
-    return {"nodes": nodes, "workers": workers, "img_s": img_s,
-            "efficiency": s.batch / s.img_s / step, "compute_ms": 1e3 * t["compute"],
-            "wait_ms": 1e3 * t["wait"], "communication_ms": 1e3 * t["communication"],
+    return {"nodes": nodes, "workers": workers, "img_s": img_s, "efficiency": compute / step,
+            "compute_ms": 1e3 * compute, "communication_ms": 1e3 * exposed,
             "hours": hours, "node_hours": nodes * hours, "cost": nodes * hours * s.price}
 
 
-def cost_optimal(s: Scenario, deadline_hours: float, max_nodes: int = 256) -> dict | None:
+def cost_optimal(s: Scenario, deadline_hours: float, max_nodes: int = MAX_NODES) -> dict | None:
     """The cheapest node count (1..max_nodes) that trains within the deadline, or None."""
-    fits = [p for p in map(lambda n: predict(s, n), range(1, max_nodes + 1))
+    fits = [p for p in (predict(s, n) for n in range(1, max_nodes + 1))
             if p["hours"] <= deadline_hours]
     return min(fits, key=lambda p: (p["cost"], p["hours"])) if fits else None
-
-
-def compute_share(cores_per_worker: float, threads: int, background_cores: float) -> float:
-    """s: the share of its ``threads`` compute cores a worker keeps when it has
-    ``cores_per_worker`` cores and its engine's threads take ``background_cores``."""
-    return max(0.0, min(1.0, (cores_per_worker - background_cores) / threads))
 
 
 def fit_alpha_beta(rows: list[dict], ranks: int) -> tuple[float, float]:
@@ -211,11 +103,15 @@ def fit_alpha_beta(rows: list[dict], ranks: int) -> tuple[float, float]:
 
 
 PRESETS = {
+    # 1 P100 per node; the talk gives neither batch nor bucket: MXNet's train_imagenet.py
+    # default batch (128) and its kvstore's slicing of large arrays (about 4 MB).
     "chameleon-resnet50": Scenario(
         "Chameleon Cloud talk: MXNet ResNet-50, 1 P100 per node, 10 GbE", batch=128,
         img_s=194.86, gradient_bytes=25_557_032 * 4, bucket_bytes=4 * MB,
         latency_s=50e-6, bandwidth=10e9 / 8,
         source="the talk's 1-GPU img/s; MXNet defaults; Chameleon's 10 Gbit/s Ethernet"),
+    # r1 from the same page's tf_cnn_benchmarks example (1656.82 img/s on 16 GPUs); a flat
+    # ring crosses each server's NIC once each way, so the 25 Gbit/s NIC is its slowest link.
     "horovod-resnet101": Scenario(
         "Horovod benchmark: TensorFlow ResNet-101, 4 Pascal GPUs per server, 25 GbE RoCE",
         batch=64, img_s=1656.82 / 16, gradient_bytes=44_549_160 * 4, bucket_bytes=64 * 2**20,
@@ -223,129 +119,193 @@ PRESETS = {
         source="horovod docs/benchmarks.rst; fusion threshold 64 MB (Horovod < 0.21)"),
 }
 
-PUBLISHED = [  # (preset, nodes, what, published value, source)
-    ("chameleon-resnet50", 1, "img_s", 194.86, "Chameleon Cloud talk, MXNet ResNet-50"),
-    ("chameleon-resnet50", 2, "img_s", 389.81, "Chameleon Cloud talk, MXNet ResNet-50"),
-    ("chameleon-resnet50", 8, "img_s", 1466.31, "Chameleon Cloud talk, MXNet ResNet-50"),
-    ("horovod-resnet101", 128, "efficiency", 0.90,
-     "Horovod docs/benchmarks.rst: 128 servers x 4 Pascal GPUs, 25 Gbit/s RoCE"),
+PUBLISHED = [  # (preset, nodes, what, published value)
+    ("chameleon-resnet50", 1, "img_s", 194.86),
+    ("chameleon-resnet50", 2, "img_s", 389.81),
+    ("chameleon-resnet50", 8, "img_s", 1466.31),
+    ("horovod-resnet101", 128, "efficiency", 0.90),
 ]
 
 
 def validate_published() -> list[dict]:
+    """Every published figure against the prediction of its preset."""
     rows = []
-    for preset, nodes, what, published, source in PUBLISHED:
-        predicted = predict(PRESETS[preset], nodes)[what]
-        rows.append({"case": preset, "nodes": nodes, "what": what, "published": published,
-                     "predicted": predicted, "error": predicted / published - 1,
-                     "source": source})
+    for case, nodes, what, value in PUBLISHED:
+        predicted = predict(PRESETS[case], nodes)[what]
+        rows.append({"case": case, "nodes": nodes, "what": what, "published": value,
+                     "predicted": predicted, "error": predicted / value - 1,
+                     "source": PRESETS[case].source})
     return rows
 
 
+# ---------------------------------------------------------------- this machine, measured
 
-# ------------------------------------------------------------------------------- CLI
+
+def transport_of(results: dict, engine: str) -> str:
+    """The allreduce an engine's gradients take in a run: NCCL for engine=ddp on GPUs."""
+    if engine == "ddp" and results["machine"]["gpus"]:
+        return "nccl"
+    return ENGINES[engine].transport
 
 
-def _print_table(s: Scenario, deadline: float | None) -> None:
-    print(f"{s.name}\n"
-          f"  batch {s.batch} per worker, {s.img_s:.1f} img/s per worker computing (r1), "
-          f"gradient {s.gradient_bytes / MB:.1f} MB in buckets of {s.bucket_bytes / MB:.1f} MB, "
-          f"{s.gpus_per_node} worker(s) per node\n"
-          f"  network: alpha {s.latency_s * 1e6:.1f} us, beta {s.bandwidth * 8 / 1e9:.2f} Gbit/s;"
-          f" {s.samples} samples x {s.epochs:g} epochs; ${s.price:.2f} per node-hour\n")
-    print(f"{'nodes':>6} {'img/s':>10} {'eff':>6} {'compute ms':>11} {'comm ms':>8} "
-          f"{'hours':>9} {'node-hours':>11} {'cost $':>10}")
+def machine_scenario(results: dict, engine: str, batch: int) -> Scenario:
+    """A bench run's machine: r1 of one worker alone (the 1-worker run of the same program
+    and batch), alpha and beta fitted to the engine's transport between the run's ranks
+    (for one node and between nodes alike: override the latter with --link-gbit), the
+    gradient of the run's model and the engine's bucket."""
+    throughput, allreduce = results["throughput"], results["allreduce"]
+    program = ENGINES[engine].program
+    one = next(r for r in throughput["rows"] if r["workers"] == 1 and r["batch"] == batch
+               and ENGINES[r["engine"]].program == program)
+    latency, bandwidth = fit_alpha_beta(allreduce["transports"][transport_of(results, engine)],
+                                        allreduce["ranks"])
+    return Scenario(f"{results['machine']['cpu']}: {throughput['workload']}, {engine}", batch,
+                    one["per_worker"]["mean"], throughput["gradient_bytes"],
+                    ENGINES[engine].bucket_bytes, latency, bandwidth,
+                    intra_latency_s=latency, intra_bandwidth=bandwidth,
+                    samples=throughput["train_samples"], epochs=1,
+                    source=f"{transport_of(results, engine)} allreduce fit, 1-worker img/s")
+
+
+def validate_machine(results: dict) -> list[dict]:
+    """Every measured multi-worker configuration of a bench run against its prediction
+    from the run's own 1-worker and allreduce figures (one worker per node)."""
+    rows = []
+    measured = results["allreduce"]["transports"]
+    for row in results["throughput"]["rows"]:
+        if row["workers"] == 1 or transport_of(results, row["engine"]) not in measured:
+            continue
+        s = machine_scenario(results, row["engine"], row["batch"])
+        p = predict(s, row["workers"])
+        rows.append({"engine": row["engine"], "workers": row["workers"], "batch": row["batch"],
+                     "measured": row["total"]["mean"], "predicted": p["img_s"],
+                     "error": p["img_s"] / row["total"]["mean"] - 1, "img_s_1": s.img_s,
+                     "communication_ms": p["communication_ms"],
+                     "latency_us": s.latency_s * 1e6, "bandwidth_gbps": s.bandwidth / 1e9})
+    return rows
+
+
+# ----------------------------------------------------------------------- command line
+
+
+def _table(s: Scenario, deadline: float | None) -> str:
+    lines = [
+        s.name,
+        f"  batch {s.batch} per worker, {s.img_s:.1f} img/s per worker computing (r1), "
+        f"gradient {s.gradient_bytes / MB:.1f} MB in buckets of {s.bucket_bytes / MB:.1f} MB, "
+        f"{s.gpus_per_node} worker(s) per node",
+        f"  network: alpha {s.latency_s * 1e6:.1f} us, beta {s.bandwidth * 8 / 1e9:.2f} Gbit/s;"
+        f" {s.samples} samples x {s.epochs:g} epochs; ${s.price:.2f} per node-hour", "",
+        f"{'nodes':>6} {'img/s':>10} {'eff':>6} {'compute ms':>11} {'comm ms':>8} "
+        f"{'hours':>9} {'node-hours':>11} {'cost $':>10}"]
     optimum = cost_optimal(s, deadline) if deadline else None
-    counts = sorted(set(NODE_COUNTS) | ({optimum["nodes"]} if optimum else set()))
-    for n in counts:
+    for n in sorted(set(NODE_COUNTS) | ({optimum["nodes"]} if optimum else set())):
         p = predict(s, n)
         mark = "  <- cost-optimal" if optimum and n == optimum["nodes"] else ""
-        print(f"{n:>6} {p['img_s']:>10.1f} {p['efficiency']:>6.1%} {p['compute_ms']:>11.1f} "
-              f"{p['communication_ms']:>8.1f} {p['hours']:>9.2f} {p['node_hours']:>11.1f} "
-              f"{p['cost']:>10.2f}{mark}")
-    if deadline:
-        if optimum:
-            print(f"\ncost-optimal for a {deadline:g} h deadline: {optimum['nodes']} nodes, "
-                  f"{optimum['hours']:.2f} h, ${optimum['cost']:.2f}")
-        else:
-            fastest = max((predict(s, n) for n in range(1, 257)), key=lambda p: p["img_s"])
-            print(f"\nno node count up to 256 meets {deadline:g} h; the fastest is "
-                  f"{fastest['nodes']} nodes at {fastest['hours']:.2f} h")
+        lines.append(f"{n:>6} {p['img_s']:>10.1f} {p['efficiency']:>6.1%} "
+                     f"{p['compute_ms']:>11.1f} {p['communication_ms']:>8.1f} {p['hours']:>9.2f} "
+                     f"{p['node_hours']:>11.1f} {p['cost']:>10.2f}{mark}")
+    if optimum:
+        lines.append(f"\ncost-optimal for a {deadline:g} h deadline: {optimum['nodes']} nodes, "
+                     f"{optimum['hours']:.2f} h, ${optimum['cost']:.2f}")
+    elif deadline:
+        fastest = max((predict(s, n) for n in range(1, MAX_NODES + 1)), key=lambda p: p["img_s"])
+        lines.append(f"\nno node count up to {MAX_NODES} meets {deadline:g} h; the fastest is "
+                     f"{fastest['nodes']} nodes at {fastest['hours']:.2f} h")
+    return "\n".join(lines)
 
 
-def _print_validation(rows: list[dict]) -> None:
-    print(f"{'case':<28} {'nodes':>5} {'what':>10} {'measured':>10} {'predicted':>10} "
-          f"{'error':>7}")
-    for r in rows:
-        print(f"{r['case']:<28} {r['nodes']:>5} {r['what']:>10} {r['published']:>10.4g} "
-              f"{r['predicted']:>10.4g} {r['error']:>+7.1%}")
-    print()
+def _validation(rows: list[dict]) -> str:
+    lines = [f"{'case':<20} {'nodes':>5} {'what':>10} {'published':>10} {'predicted':>10} "
+             f"{'error':>7}"]
+    lines += [f"{r['case']:<20} {r['nodes']:>5} {r['what']:>10} {r['published']:>10.4g} "
+              f"{r['predicted']:>10.4g} {r['error']:>+7.1%}" for r in rows]
+    return "\n".join(lines)
 
 
-def _measure_now(batch: int) -> dict:
-    """This machine, now: the trainer with 1 and 2 workers (engine=ddp), 2 single workers
-    at once, and a 2-rank Gloo allreduce; written as a results folder."""
-    from benchmarks import allreduce, record, throughput
-    from benchmarks.runs import MNIST, Timing
-
-    return record.write(None, "predict", lambda folder: {
-        "throughput": throughput.measure_sweep(MNIST, ["ddp"], [1, 2], [batch], 1, Timing(),
-                                               1, folder),
-        "allreduce": allreduce.measure(["gloo"], 2, allreduce.sizes(factor=4), 0.1, 1)})
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be a number above 0")
+    return value
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spotring predict", description=__doc__.splitlines()[0],
+                                epilog="The model: docs/benchmarks.md.")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--preset", choices=list(PRESETS))
-    source.add_argument("--results", metavar="FOLDER", help="this machine, from a results "
-                        "folder of `make bench` ('latest': the newest)")
-    source.add_argument("--measure", action="store_true", help="measure this machine now")
-    source.add_argument("--validate", action="store_true", help="the published figures")
-    p.add_argument("--engine", default="ddp", help="with --results: whose transport")
-    p.add_argument("--img-s", type=float, help="img/s of one worker alone")
-    p.add_argument("--batch", type=int, default=64, help="per worker")
-    p.add_argument("--gradient-mb", type=float, help="MB of gradients per step")
-    p.add_argument("--bucket-mb", type=float, default=25.0)
-    p.add_argument("--link-gbit", type=float, help="network bandwidth between nodes")
-    p.add_argument("--latency-us", type=float, default=50.0, help="per message")
-    p.add_argument("--gpus-per-node", type=int, default=None)
-    p.add_argument("--samples", type=int, default=None, help="per epoch")
-    p.add_argument("--epochs", type=float, default=None)
-    p.add_argument("--price", type=float, default=None, help="USD per node-hour")
-    p.add_argument("--deadline-hours", type=float, default=None)
-    args = p.parse_args()
+    source.add_argument("--preset", choices=list(PRESETS), help="a published benchmark")
+    source.add_argument("--results", metavar="RUN", help="r1, gradient and allreduce from a "
+                        "`spotring bench` run (a name under the results folder, a path, latest)")
+    source.add_argument("--validate", action="store_true",
+                        help="the published figures against their predictions, and exit")
+    p.add_argument("--engine", default="ddp", choices=list(ENGINES), help="with --results")
+    p.add_argument("--img-s", type=_positive, help="img/s of one worker computing alone (r1)")
+    p.add_argument("--batch", type=int, help="per worker (default 64; --results: its batch)")
+    p.add_argument("--gradient-mb", type=_positive, help="MB of gradients per step")
+    p.add_argument("--bucket-mb", type=_positive, default=25.0,
+                   help="gradient bytes per allreduce (DDP's bucket_cap_mb, Horovod's fusion)")
+    p.add_argument("--link-gbit", type=_positive, help="network bandwidth between nodes")
+    p.add_argument("--latency-us", type=_positive, help="per message between nodes (default 50)")
+    p.add_argument("--gpus-per-node", type=int, help="workers per node (default 1)")
+    p.add_argument("--samples", type=int, help="per epoch (default: ImageNet's 1,281,167)")
+    p.add_argument("--epochs", type=_positive, help="default 90")
+    p.add_argument("--price", type=_positive, help="USD per node-hour (default 1: node-hours)")
+    p.add_argument("--deadline-hours", type=_positive, help="name the cheapest node count "
+                   "that trains within this many hours")
+    return p
 
-    if args.validate:
-        _print_validation(validate_published())
-        return
+
+def _scenario(p: argparse.ArgumentParser, args: argparse.Namespace) -> Scenario:
     if args.preset:
-        s = PRESETS[args.preset]
-    elif args.results or args.measure:
+        return PRESETS[args.preset]
+    if args.results:
         from benchmarks import record
-        from benchmarks.this_machine import machine_scenario, validate_machine
 
-        if args.measure:
-            results = _measure_now(args.batch)
-        else:
+        try:
             results = record.load(record.find(args.results))
-        _print_validation(validate_machine(results))
-        row = next(r for r in results["throughput"]["rows"]
-                   if r["engine"] == args.engine and r["workers"] > 1 and not r["independent"])
-        s = machine_scenario(results, args.engine, row["workers"], row["batch"])
-    else:
-        missing = [f"--{k.replace('_', '-')}" for k in ("img_s", "gradient_mb", "link_gbit")
-                   if getattr(args, k) is None]
-        if missing:
-            p.error(f"give --preset, --results, --measure, or {', '.join(missing)}")
-        s = Scenario("given", args.batch, args.img_s, args.gradient_mb * MB,
-                     args.bucket_mb * MB, args.latency_us * 1e-6, args.link_gbit * 1e9 / 8)
+        except FileNotFoundError as e:
+            p.error(str(e))
+        if "throughput" not in results or "allreduce" not in results:
+            p.error(f"--results {args.results}: has no throughput and allreduce sections; "
+                    "run `spotring bench` with both")
+        batches = sorted({r["batch"] for r in results["throughput"]["rows"]})
+        batch = args.batch or batches[0]
+        engines = sorted({r["engine"] for r in results["throughput"]["rows"]})
+        if batch not in batches or args.engine not in engines:
+            p.error(f"--results {args.results} measured batch {batches} and engines {engines}; "
+                    f"not batch {batch} with --engine {args.engine}")
+        s = machine_scenario(results, args.engine, batch)
+        network = {"latency_s": (args.latency_us or s.latency_s * 1e6) * 1e-6,
+                   "bandwidth": args.link_gbit * 1e9 / 8 if args.link_gbit else s.bandwidth}
+        return replace(s, **network)
+    missing = [f"--{k.replace('_', '-')}" for k in ("img_s", "gradient_mb", "link_gbit")
+               if getattr(args, k) is None]
+    if missing:
+        p.error(f"missing {', '.join(missing)}: give --preset ({', '.join(PRESETS)}), "
+                "--results RUN, or --img-s, --gradient-mb and --link-gbit")
+    return Scenario("given", args.batch or 64, args.img_s, args.gradient_mb * MB,
+                    args.bucket_mb * MB, (args.latency_us or 50) * 1e-6,
+                    args.link_gbit * 1e9 / 8, source="the command line")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """spotring predict: print the table for 1 to 256 nodes (exit 2 on bad input)."""
+    p = parser()
+    args = p.parse_args(argv)
+    for name in ("batch", "gpus_per_node", "samples"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be 1 or more")
+    if args.validate:
+        print(_validation(validate_published()))
+        return 0
+    s = _scenario(p, args)
     overrides = {k: v for k, v in {"gpus_per_node": args.gpus_per_node, "samples": args.samples,
                                    "epochs": args.epochs, "price": args.price}.items()
                  if v is not None}
-    _print_table(replace(s, **overrides), args.deadline_hours)
+    print(_table(replace(s, **overrides), args.deadline_hours))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,7 +1,7 @@
-"""Start one measured training run and read back its img/s per interval.
+"""Start one measured training run the way users do, and read back its img/s per interval.
 
-A run is a Setup (which engine, how many workers, batch per worker, threads per
-worker) of a Workload (dataset and model), started the way users start it:
+A run is a Setup (engine, workers, batch per worker, threads per worker) of a Workload
+(dataset and model):
 
     engine         N workers
     ddp            torchrun --nproc-per-node N -m trainer engine=ddp
@@ -10,51 +10,49 @@ worker) of a Workload (dataset and model), started the way users start it:
     horovod-mpi    mpirun -np N python -m trainer engine=horovod engine.backend=mpi
     plain          torchrun --nproc-per-node N -m benchmarks.plain_loop
 
-and one worker alone as `python -m trainer` or `python -m benchmarks.plain_loop`,
-whatever the engine: a single worker has nothing to average.
-
-``independent=True`` starts N single-worker runs at once instead: the same work per
-worker on a host equally busy, without any communication. It is the compute-only
-reference that splits a step into compute and communication; it logs every step (the
-same steps in all), so that it also tells how much a worker's step time varies: in a
-synchronous step every worker waits for the slowest.
-
-Each run writes into its own folder (metrics.jsonl, summary.json, train.log of the
-trainer; stdout.json of the plain loop); checkpoints and TensorBoard files are deleted
-once read, they are not measurements.
+and one worker as `python -m trainer` or `python -m benchmarks.plain_loop`, whatever the
+engine: a single worker has nothing to average. Each run writes into its own folder
+(the trainer's metrics.jsonl, summary.json, log; the plain loop's stdout.json); its
+checkpoints and TensorBoard files are deleted once read: they are not measurements.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
+import signal
 import subprocess
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from launch.commands import BIN, local_command, local_environment
 
-if TYPE_CHECKING:  # starting runs needs no torch; building a model imports it
-    import torch
-
+# Where `python -m benchmarks.X` and `python -m trainer` import from: the checkout, or
+# the installed package's site-packages.
 REPO = Path(__file__).resolve().parents[1]
+MIB = 2**20
 
 
 @dataclass(frozen=True)
 class Engine:
     program: str  # trainer | plain
     launcher: str  # for more than one worker
-    args: tuple[str, ...] = ()
+    args: tuple[str, ...]
+    transport: str  # the allreduce its gradients take on CPUs (benchmarks/allreduce.py)
+    bucket_bytes: int  # gradient bytes per allreduce: DDP's bucket_cap_mb, Horovod's fusion
 
 
 ENGINES = {
-    "ddp": Engine("trainer", "torchrun", ("engine=ddp",)),
-    "ddp-mpi": Engine("trainer", "mpirun", ("engine=ddp", "engine.backend=mpi")),
-    "horovod-gloo": Engine("trainer", "horovodrun", ("engine=horovod", "engine.backend=gloo")),
-    "horovod-mpi": Engine("trainer", "mpirun", ("engine=horovod", "engine.backend=mpi")),
-    "plain": Engine("plain", "torchrun"),
+    "ddp": Engine("trainer", "torchrun", ("engine=ddp",), "gloo", 25 * MIB),
+    "ddp-mpi": Engine("trainer", "mpirun", ("engine=ddp", "engine.backend=mpi"), "mpi",
+                      25 * MIB),
+    "horovod-gloo": Engine("trainer", "horovodrun", ("engine=horovod", "engine.backend=gloo"),
+                           "horovod-gloo", 128 * MIB),
+    "horovod-mpi": Engine("trainer", "mpirun", ("engine=horovod", "engine.backend=mpi"),
+                          "horovod-mpi", 128 * MIB),
+    "plain": Engine("plain", "torchrun", (), "gloo", 25 * MIB),
 }
 
 
@@ -74,7 +72,7 @@ class Workload:
     name: str
     overrides: tuple[str, ...] = ()
     shape: tuple[int, int, int] = (1, 28, 28)
-    classes: int = 10
+    train_samples: int = 60_000
     plain: bool = False  # benchmarks.plain_loop trains the same network on the same data
 
 
@@ -89,7 +87,7 @@ def synthetic(model: str, shape: tuple[int, int, int], *model_args: str,
                  f"dataset.train_size={train_size}", "dataset.test_size=64", f"model={model}",
                  *model_args)
     return Workload(" ".join([f"synthetic {'x'.join(map(str, shape))}", model, *model_args]),
-                    overrides, shape)
+                    overrides, shape, train_size)
 
 
 @dataclass(frozen=True)
@@ -111,80 +109,71 @@ class Setup:
     workers: int
     batch: int  # per worker
     threads: int = 1  # per worker
-    independent: bool = False  # N single-worker runs at once: compute only
 
     @property
     def label(self) -> str:
-        if self.independent:
-            return f"{self.engine} {self.workers} x 1 worker, no communication"
         return f"{self.engine} x {self.workers}"
 
     @property
     def slug(self) -> str:
-        kind = "apart" if self.independent else "w"
-        return f"{self.engine}-{kind}{self.workers}-b{self.batch}-t{self.threads}"
+        return f"{self.engine}-w{self.workers}-b{self.batch}-t{self.threads}"
 
 
 @dataclass
 class Run:
     setup: Setup
     per_worker: list[float]  # img/s per worker of every measured interval
-    commands: list[str]
-    dirs: list[str] = field(default_factory=list)
-    # CPU cores the engine's threads took beside the training loop, the busiest rank's
-    # (the trainer's summary.json); None for the plain loop and compute-only runs.
-    other_threads_cores: float | None = None
+    command: str
+    dir: str
 
     def to_json(self) -> dict:
-        return {**asdict(self.setup), "per_worker": self.per_worker, "commands": self.commands,
-                "dirs": self.dirs, "other_threads_cores": self.other_threads_cores}
+        return {**asdict(self.setup), "per_worker": self.per_worker, "command": self.command,
+                "dir": self.dir}
 
 
 def shown(command: list[str], env: dict[str, str] | None = None) -> str:
-    """The command as a user would type it in the repository: paths made relative."""
+    """The command as a user would type it in the checkout: paths made relative."""
     def short(arg: str) -> str:
-        return (arg.replace(str(BIN) + "/", ".venv/bin/").replace(str(REPO) + "/", "")
-                .replace("=" + str(REPO) + "/", "="))
-    prefix = [f"{k}={v}" for k, v in (env or {}).items()]
-    return shlex.join([*prefix, *map(short, command)])
+        return arg.replace(str(BIN) + "/", ".venv/bin/").replace(str(REPO) + "/", "")
+    return shlex.join([*(f"{k}={v}" for k, v in (env or {}).items()), *map(short, command)])
 
 
-def _trainer_args(setup: Setup, workload: Workload, timing: Timing, run_dir: Path) -> list[str]:
-    return [f"hydra.run.dir={run_dir}", "telemetry.progress=false",
-            f"telemetry.log_every={timing.log_every}", f"train.max_steps={timing.steps}",
-            f"train.batch_size={setup.batch}", f"train.threads={setup.threads}",
-            *ENGINES[setup.engine].args, *workload.overrides]
-
-
-def _plain_args(setup: Setup, timing: Timing) -> list[str]:
-    return ["--batch-size", str(setup.batch), "--threads", str(setup.threads),
-            "--max-steps", str(timing.steps), "--log-every", str(timing.log_every)]
-
-
-def _command(setup: Setup, workers: int, workload: Workload, timing: Timing,
-             run_dir: Path) -> list[str]:
+def _command(setup: Setup, workload: Workload, timing: Timing, run_dir: Path) -> list[str]:
     engine = ENGINES[setup.engine]
-    launcher = engine.launcher if workers > 1 else "single"
+    launcher = engine.launcher if setup.workers > 1 else "single"
     if engine.program == "plain":
-        if not workload.plain:
-            raise ValueError(f"the plain loop trains MNIST's convnet only, not {workload.name}")
-        return local_command(launcher, workers, _plain_args(setup, timing),
-                             module="benchmarks.plain_loop")
-    return local_command(launcher, workers, _trainer_args(setup, workload, timing, run_dir))
+        return local_command(launcher, setup.workers, [
+            "--batch-size", str(setup.batch), "--threads", str(setup.threads),
+            "--steps", str(timing.steps), "--log-every", str(timing.log_every)],
+            module="benchmarks.plain_loop")
+    return local_command(launcher, setup.workers, [
+        f"hydra.run.dir={run_dir}", "telemetry.progress=false",
+        f"telemetry.log_every={timing.log_every}", f"train.max_steps={timing.steps}",
+        f"train.batch_size={setup.batch}", f"train.threads={setup.threads}",
+        *engine.args, *workload.overrides])
 
 
 def run_together(commands: list[list[str]], env: dict[str, str] | None = None,
                  timeout: float = 1800) -> list[str]:
-    """Start ``commands`` at once in the repository, wait for all; their stdouts. Any
-    failure raises with the command and the end of its output."""
-    shown_env = env or {}
-    procs = [subprocess.Popen(c, cwd=REPO, env=local_environment(**shown_env),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """Start ``commands`` at once, wait for all; their stdouts. A failure, or a command
+    still running after ``timeout`` seconds (then killed, with its ranks), raises with the
+    command and the end of its output."""
+    procs = [subprocess.Popen(c, cwd=REPO, env=local_environment(**(env or {})),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)  # a group: a launcher and its ranks
              for c in commands]
-    outputs = [p.communicate(timeout=timeout) for p in procs]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired as e:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+        raise RuntimeError(f"not finished within {timeout:g} s, killed: {shown(e.cmd, env)}") \
+            from e
     for proc, (out, err) in zip(procs, outputs, strict=True):
         if proc.returncode != 0:
-            raise RuntimeError(f"failed (exit {proc.returncode}): {shown(proc.args, shown_env)}"
+            raise RuntimeError(f"failed (exit {proc.returncode}): {shown(proc.args, env)}"
                                f"\n{(out + err)[-3000:]}")
     return [out for out, _ in outputs]
 
@@ -196,68 +185,40 @@ def json_line(stdout: str, key: str) -> dict:
     return json.loads(line[line.index("{"):])
 
 
-def trainer_metrics(run_dir: Path) -> list[dict]:
-    """The records of a trainer run's metrics.jsonl. Its checkpoints and TensorBoard files
-    are deleted: they are not measurements, and a results folder stays small."""
-    for heavy in ("checkpoints", "tensorboard"):
-        shutil.rmtree(run_dir / heavy, ignore_errors=True)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
-
-
-def plain_result(run_dir: Path, stdout: str) -> dict:
-    """The JSON line the plain loop prints, kept as run_dir/stdout.json."""
-    (run_dir / "stdout.json").write_text(stdout)
-    return json.loads(stdout.strip().splitlines()[-1])
-
-
 def intervals_of(program: str, run_dir: Path, stdout: str) -> list[tuple[int, float]]:
-    """(step, total img/s) of every interval the run logged."""
+    """(step, total img/s) of every interval a run logged: the trainer's metrics.jsonl
+    (training steps only: evaluation and checkpoints are outside its stopwatch), or the
+    plain loop's JSON line, kept as stdout.json."""
     if program == "plain":
-        return [(r["step"], r["images_per_second"])
-                for r in plain_result(run_dir, stdout)["intervals"]]
-    return [(r["step"], r["images_per_second"]) for r in trainer_metrics(run_dir)
-            if r["kind"] == "train"]
+        (run_dir / "stdout.json").write_text(stdout)
+        records = json_line(stdout, "intervals")["intervals"]
+    else:
+        for heavy in ("checkpoints", "tensorboard"):
+            shutil.rmtree(run_dir / heavy, ignore_errors=True)
+        records = [r for r in map(json.loads, (run_dir / "metrics.jsonl").open())
+                   if r["kind"] == "train"]
+    return [(r["step"], r["images_per_second"]) for r in records]
 
 
 def measure(setup: Setup, workload: Workload, timing: Timing, run_dir: Path) -> Run:
     """Run ``setup`` once; img/s per worker of the intervals after the warm-up."""
-    copies = setup.workers if setup.independent else 1
-    workers = 1 if setup.independent else setup.workers
-    if setup.independent:  # every step an interval: step-time jitter, for the predictor
-        timing = Timing(1, timing.warmup_steps, timing.log_every * timing.intervals)
-    dirs = [run_dir / str(i) for i in range(copies)] if copies > 1 else [run_dir]
-    commands = [_command(setup, workers, workload, timing, d) for d in dirs]
-    for d in dirs:
-        d.mkdir(parents=True, exist_ok=True)
-    per_worker: list[float] = []
-    for out, d in zip(run_together(commands), dirs, strict=True):
-        per_worker += [rate / workers for step, rate in intervals_of(
-            ENGINES[setup.engine].program, d, out) if step > timing.warmup_steps]
-    others = None
-    if ENGINES[setup.engine].program == "trainer" and not setup.independent:
-        others = max(json.loads((run_dir / "summary.json").read_text())["other_threads_cores"])
-    return Run(setup, per_worker, [shown(c) for c in commands],
-               [str(d.relative_to(REPO)) if d.is_relative_to(REPO) else str(d) for d in dirs],
-               others)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    command = _command(setup, workload, timing, run_dir)
+    (out,) = run_together([command])
+    per_worker = [rate / setup.workers for step, rate in
+                  intervals_of(ENGINES[setup.engine].program, run_dir, out)
+                  if step > timing.warmup_steps]
+    where = run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir
+    return Run(setup, per_worker, shown(command), str(where))
 
 
-def gradient_of(model: torch.nn.Module) -> dict[str, int]:
-    """One full gradient of ``model``, what every step allreduces: its bytes, and how many
-    tensors hold them (Horovod sends each as backward makes it)."""
-    trained = [p for p in model.parameters() if p.requires_grad]
-    return {"gradient_bytes": sum(p.numel() * p.element_size() for p in trained),
-            "gradient_tensors": len(trained)}
-
-
-def gradient(workload: Workload) -> dict[str, int]:
-    """gradient_of the workload's model, as the trainer builds it."""
-    from hydra import compose, initialize_config_dir
-
-    from trainer.config import register
+def check_workload(workload: Workload) -> dict[str, int]:
+    """The workload's model as the trainer builds it: its gradient's bytes, what every step
+    allreduces. A bad override raises trainer.config.ConfigError before anything runs."""
+    from trainer.config import compose
     from trainer.models import build_model
 
-    register()
-    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[o for o in workload.overrides
-                                           if o.startswith("model")])
-    return gradient_of(build_model(cfg.model, workload.shape, workload.classes))
+    cfg = compose(list(workload.overrides))
+    model = build_model(cfg.model, workload.shape, cfg.dataset.get("num_classes", 10))
+    return {"gradient_bytes": sum(p.numel() * p.element_size() for p in model.parameters()
+                                  if p.requires_grad)}

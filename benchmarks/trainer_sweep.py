@@ -3,12 +3,10 @@
     python -m benchmarks.trainer_sweep -m model=convnet,lenet train.batch_size=32,64 \
         dataset=synthetic hydra.sweep.dir=DIR
 
-Every point of the sweep runs the trainer's own job (trainer/job.py: checks, engine,
-fit, summary.json), one after another, so Python, torch and the data are loaded once.
-It exists because `python -m trainer -m ...` ends after the first point today: its
-Hydra task exits the process with the job's exit code. When that task returns instead,
-this module can go and the batch-size benchmark can call `python -m trainer -m`.
-Single-process runs only (the sweep points share one process).
+Every point of the sweep runs the trainer's own job (trainer/job.py: checks, engine, fit,
+summary.json), one after another, so Python, torch and the data are loaded once. It exists
+because `python -m trainer -m ...` ends after the first point: its Hydra task exits the
+process with the job's exit code. Single-process runs only (the points share a process).
 """
 
 from __future__ import annotations
@@ -19,7 +17,8 @@ from omegaconf import DictConfig
 from trainer import config, exits, job
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=f"pkg://{config.CONF_MODULE}",
+            config_name="config")
 def _one_point(cfg: DictConfig) -> None:
     code = job.run(cfg)
     if code != exits.EXIT_OK:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -31,7 +32,7 @@ def installed(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("user")
     wheels = root / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", wheels, REPO], check=True, timeout=300)
+                    "-q", "-w", wheels, checkout_copy(root / "src")], check=True, timeout=300)
     env_dir = root / "env"
     venv.create(env_dir, with_pip=False)
     site = Path(subprocess.run(
@@ -52,6 +53,19 @@ def installed(tmp_path_factory) -> dict:
     env |= {"PATH": f"{env_dir / 'bin'}:{Path(sys.executable).parent}:{env['PATH']}",
             "PYTHONPATH": str(blocked), "OMP_NUM_THREADS": "1"}
     return {"env": env, "cwd": work, "bin": env_dir / "bin"}
+
+
+def checkout_copy(to: Path) -> Path:
+    """The files a fresh clone would have (git's, as they are now, and new ones it does not
+    ignore), without data/: setuptools reuses a build/ folder, which in the checkout may
+    still hold modules deleted since."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                            cwd=REPO, check=True, capture_output=True, text=True).stdout
+    for name in listed.splitlines():
+        if not name.startswith("data/") and (REPO / name).is_file():
+            (to / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, to / name)
+    return to
 
 
 def user(installed: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:

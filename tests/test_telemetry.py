@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -9,6 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.conftest import compose_config
 from trainer.schedule import LRSchedule
+from trainer.telemetry import Progress
 
 # 640 synthetic samples, 2 workers x 32: 10 steps per epoch, 2 epochs.
 SMALL = ["dataset=synthetic", "dataset.shape=[1,28,28]", "dataset.train_size=640",
@@ -18,7 +20,7 @@ SMALL = ["dataset=synthetic", "dataset.shape=[1,28,28]", "dataset.train_size=640
 
 @pytest.mark.slow
 def test_tensorboard_and_metrics_hold_every_scalar_written_by_rank_0_only(train):
-    run = train("run", *SMALL, launcher="torchrun", nproc=2)
+    run = train("run", *SMALL, "telemetry.progress=true", launcher="torchrun", nproc=2)
     events = list((run.dir / "tensorboard").glob("events.out.tfevents.*"))
     assert len(events) == 1  # one writer: rank 0
     tb = EventAccumulator(str(run.dir / "tensorboard"))
@@ -49,6 +51,7 @@ def test_tensorboard_and_metrics_hold_every_scalar_written_by_rank_0_only(train)
 
     # Only rank 0 writes: one run directory, and rank 1 prints nothing of its own.
     assert run.output.count("test accuracy") == 3  # two epoch lines and the summary
+    assert run.output.count("20/20 [") == 1  # one progress bar, ended
     assert sorted(p.name for p in run.dir.iterdir()) == [
         ".hydra", "checkpoints", "metrics.jsonl", "summary.json", "tensorboard", "train.log"]
 
@@ -65,3 +68,19 @@ def test_summary_has_what_users_and_benchmarks_read(train):
     assert summary["engine"] == "ddp" and summary["images_per_second"] > 0
     assert f"summary     {run.dir / 'summary.json'}" in run.output
     assert "img/s" in run.output and "tensorboard" in run.output
+
+
+def test_progress_in_a_log_is_plain_lines_and_ends_with_the_last_step():
+    log = io.StringIO()  # not a terminal, as in CI
+    progress = Progress(total=50, done=10, stream=log)  # a run resumed at step 10
+    for step in range(11, 51):
+        progress.update(step)
+        if step % 10 == 0:
+            progress.describe(f"loss {1 / step:.4f}")
+    progress.close()
+    text = log.getvalue()
+    assert "\r" not in text and "\x1b" not in text  # no redraws, no terminal codes
+    lines = text.splitlines()
+    assert lines[0].startswith("20%") and "10/50" in lines[0]
+    assert lines[-1].startswith("100%") and "50/50" in lines[-1] and "loss 0.0200" in lines[-1]
+    assert len(lines) == 2  # in well under telemetry.LOG_LINE_SECONDS: the first and last

@@ -1,16 +1,19 @@
 """Structured configs (Hydra schemas) and their validation.
 
 The YAML files under conf/ choose values; the dataclasses here fix the keys and
-their types, so a typo such as ``train.batchsize=64`` fails in Hydra before anything
-runs. ``validate`` then checks what types cannot: names, ranges, combinations. It
-runs on every rank before any process group exists, so a bad value ends the job with
-one clear paragraph instead of a hang or a traceback on N machines.
+their types, so a typo such as ``train.batchsize=64``, or a value outside a field's
+choices (an enum: ``schedule.decay=linear``), fails in Hydra before anything runs.
+``validate`` then checks what types cannot: ranges, combinations, torchvision's model
+names. It runs on every rank before any process group exists, so a bad value ends the
+job with one clear paragraph instead of a hang or a traceback on N machines.
 """
 
 from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
+from enum import Enum
+from functools import cache
 from typing import Any
 
 from hydra import compose as hydra_compose
@@ -23,12 +26,43 @@ from omegaconf.errors import OmegaConfBaseException
 # conf/ is a package of its own, so that it ships in the wheel (pkg://conf for Hydra).
 CONF_MODULE = "conf"
 
+# ----------------------------------------------------------------------------- choices
+
+
+class Choice(str, Enum):
+    """One of a field's fixed values: a field of such a type takes no other, OmegaConf
+    refuses any other as the config is composed, naming the valid ones. Each is named as
+    it reads, and prints, formats, compares and hashes as that string (enum.StrEnum does
+    this from Python 3.11 on)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+def _choices(name: str, values: str) -> type[Choice]:
+    return Choice(name, [(value, value) for value in values.split()])
+
+
+DatasetName = _choices("DatasetName", "mnist cifar10 synthetic")
+ModelName = _choices("ModelName", "convnet lenet cifar_convnet cifar_resnet torchvision")
+OptimizerName = _choices("OptimizerName", "sgd adamw")
+Decay = _choices("Decay", "cosine step none")
+EngineName = _choices("EngineName", "ddp horovod")
+Backend = _choices("Backend", "auto nccl gloo mpi")
+Compression = _choices("Compression", "none fp16")
+ReduceOp = _choices("ReduceOp", "average adasum")
+Device = _choices("Device", "auto cpu cuda")
+DType = _choices("DType", "float32 float64")
+
 # ----------------------------------------------------------------------------- schemas
 
 
 @dataclass
 class DatasetConfig:
-    name: str = MISSING
+    name: DatasetName = MISSING
     # Random crop (4 px padding) and horizontal flip, on tensors; meant for CIFAR.
     augment: bool = False
 
@@ -45,7 +79,7 @@ class SyntheticDatasetConfig(DatasetConfig):
 
 @dataclass
 class ModelConfig:
-    name: str = MISSING
+    name: ModelName = MISSING
     # L1 penalty on weights (not biases) added to the loss, as in Bras & Valadao.
     l1: float = 0.0
 
@@ -71,7 +105,7 @@ class TorchvisionModelConfig(ModelConfig):
 
 @dataclass
 class OptimConfig:
-    name: str = MISSING
+    name: OptimizerName = MISSING
     # The base learning rate at `reference_batch`; the run uses
     # lr x global_batch / reference_batch (Goyal et al. 2017, linear scaling rule).
     lr: float = 0.1
@@ -95,7 +129,7 @@ class AdamWConfig(OptimConfig):
 class ScheduleConfig:
     # From optim.lr up to the scaled LR, linearly per iteration (Goyal et al. 2017).
     warmup_epochs: float = 0.0
-    decay: str = "cosine"  # cosine | step | none
+    decay: Decay = Decay.cosine
     milestones: list[float] = field(default_factory=list)  # epochs, for decay=step
     gamma: float = 0.1  # factor at each milestone
     final_lr_fraction: float = 0.0  # cosine ends at this fraction of the scaled LR
@@ -103,10 +137,10 @@ class ScheduleConfig:
 
 @dataclass
 class EngineConfig:
-    name: str = MISSING
+    name: EngineName = MISSING
     # auto: nccl on GPU, gloo on CPU; mpi: the gradients' allreduce over MPI on CPUs
     # (under mpirun: through mpi4py for ddp, Horovod's own for horovod)
-    backend: str = "auto"
+    backend: Backend = Backend.auto
     # Seconds a collective may wait for a peer before the job fails, naming the
     # missing rank. Generous by default: a first NCCL allreduce can take a while.
     timeout_s: float = 300.0
@@ -120,14 +154,15 @@ class DDPConfig(EngineConfig):
 
 @dataclass
 class HorovodConfig(EngineConfig):
-    compression: str = "none"  # none | fp16 (gradients travel as float16)
-    op: str = "average"  # average | adasum
+    compression: Compression = Compression.none  # fp16: gradients travel as float16
+    op: ReduceOp = ReduceOp.average
     timeline: str | None = None  # PATH: rank 0 writes a Horovod timeline (Chrome trace)
 
 
 @dataclass
 class DataConfig:
-    root: str | None = None  # default: the data/ folder of this repository
+    # Relative to the working directory: a checkout's data/ (with MNIST) when run from one.
+    root: str = "data"
     download: bool = True  # fetch a missing dataset with torchvision when online
 
 
@@ -143,10 +178,10 @@ class TrainConfig:
     eval_every_steps: int = 0  # 0: evaluate at each epoch end (and at the end of the run)
     # Evaluate on the first N test samples only (quick runs, tests); default: all of them.
     eval_samples: int | None = None
-    device: str = "auto"  # auto | cpu | cuda
+    device: Device = Device.auto
     # float64 makes float rounding too small to flip a ReLU or max-pool decision, so
     # runs that must match (N workers vs 1, engine vs engine) match to 1e-10.
-    dtype: str = "float32"  # float32 | float64
+    dtype: DType = DType.float32
     threads: int | None = None  # torch threads per worker; default: cores / local workers
 
 
@@ -239,14 +274,6 @@ def _for_users(message: str) -> str:
 
 # -------------------------------------------------------------------------- validation
 
-DATASETS = ("mnist", "cifar10", "synthetic")
-OPTIMIZERS = ("sgd", "adamw")
-DECAYS = ("cosine", "step", "none")
-ENGINES = ("ddp", "horovod")
-BACKENDS = ("auto", "nccl", "gloo", "mpi")
-DEVICES = ("auto", "cpu", "cuda")
-
-
 class ConfigError(ValueError):
     """A value the run cannot start with. The message says which and what is valid."""
 
@@ -260,31 +287,23 @@ def one_of(key: str, value: Any, valid: tuple[str, ...] | list[str]) -> str | No
     return f"{key}={value}: unknown{hint}; valid: {', '.join(valid)}"
 
 
+@cache
+def torchvision_archs() -> list[str]:
+    """The valid values of model.arch: torchvision's classification models."""
+    import torchvision  # imports torch: only when model=torchvision
+
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigError listing every problem in ``cfg``, or return if there is none."""
-    from trainer.models import MODELS, torchvision_archs  # models import torch; keep it lazy
-
     problems: list[str] = []
 
     def need(ok: bool, line: str) -> None:
         if not ok:
             problems.append(line)
 
-    problems += filter(None, [
-        one_of("dataset.name", cfg.dataset.name, DATASETS),
-        one_of("model.name", cfg.model.name, list(MODELS)),
-        one_of("optim.name", cfg.optim.name, OPTIMIZERS),
-        one_of("schedule.decay", cfg.schedule.decay, DECAYS),
-        one_of("engine.name", cfg.engine.name, ENGINES),
-        one_of("engine.backend", cfg.engine.backend, BACKENDS),
-        one_of("train.device", cfg.train.device, DEVICES),
-        one_of("train.dtype", cfg.train.dtype, ("float32", "float64")),
-    ])
     if cfg.engine.name == "horovod":
-        problems += filter(None, [
-            one_of("engine.compression", cfg.engine.compression, ("none", "fp16")),
-            one_of("engine.op", cfg.engine.op, ("average", "adasum")),
-        ])
         need(not cfg.engine.sync_bn,
              "engine.sync_bn=true: SyncBatchNorm is offered with engine=ddp only")
     if cfg.model.name == "torchvision":

@@ -3,42 +3,51 @@
 MNIST and CIFAR-10 are small enough (47 MB and 150 MB as uint8) that every worker
 holds the whole training set and slices its batches straight out of a tensor: no
 DataLoader processes, no per-sample Python, nothing to wait for between steps.
+torchvision.datasets reads the files, and fetches them.
 
-Where the files are looked for (``data.root``, default: this repository's data/):
+Where the files are looked for: ``data.root``, by default ``data`` relative to the
+working directory. From a checkout (``make train``, the launchers' workdir) that is the
+checkout's data/, which holds MNIST; an installed ``spotring train`` elsewhere uses (or
+downloads into) a data/ folder where it runs.
 
-    mnist     ROOT/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]
-              (this repository ships the four .gz files, so the default run is offline)
-    cifar10   ROOT/cifar-10-batches-py/{data_batch_1..5,test_batch}
-              (the python version from https://www.cs.toronto.edu/~kriz/cifar.html)
+    mnist     ROOT/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte
+              read as they are, their IDX headers checked (sizes, type, dimensions).
+              Where only the .gz files are there (this repository ships them, so the
+              default run is offline), each is decompressed beside itself once, with
+              no network.
+    cifar10   ROOT/cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta}
+              (the python version). Every file's md5 is checked against the published
+              CIFAR-10's; a copy that differs is refused, naming the files.
     synthetic nothing: random images of ``dataset.shape``
 
-A missing dataset is downloaded with torchvision when ``data.download=true`` and the
-machine is online; otherwise the error says where it looked and how to fix it.
+A dataset that is not there is downloaded by torchvision (the downloads' md5 checked)
+when ``data.download=true`` and the machine is online; otherwise the error (exit 2)
+says where it looked and what to do. Every rank of a host reads the same root at once:
+each checks, extracts or downloads holding a lock (ROOT/.NAME.lock), so one fetches for
+all and none reads a half-written file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gzip
 import logging
-import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from omegaconf import DictConfig
 
 from trainer.config import ConfigError
+from trainer.stores import write_atomic
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ROOT = Path(__file__).resolve().parents[1] / "data"
-
 
 class DataError(ConfigError):
-    """The dataset is not where it was looked for and could not be fetched."""
+    """The dataset is not where it was looked for, could not be fetched, or is damaged."""
 
 
 @dataclass
@@ -71,116 +80,176 @@ class Dataset:
 
 
 def root_of(data_cfg: DictConfig) -> Path:
-    return Path(data_cfg.root).expanduser().resolve() if data_cfg.root else DEFAULT_ROOT
+    return Path(data_cfg.root).expanduser().resolve()
 
 
 def load(dataset_cfg: DictConfig, data_cfg: DictConfig, seed: int) -> Dataset:
     """Find (or fetch) the dataset named in ``dataset_cfg`` and decode it into tensors."""
     if dataset_cfg.name == "synthetic":
         return _synthetic(dataset_cfg, seed)
-    root = root_of(data_cfg)
-    reader, missing, fetch = _READERS[dataset_cfg.name]
-    if missing(root):
-        if not data_cfg.download:
-            raise _not_found(dataset_cfg.name, root, missing(root), "data.download=false")
-        _download(dataset_cfg.name, root, missing, fetch)
-    return reader(root)
+    name, root = dataset_cfg.name, root_of(data_cfg)
+    files = _FILES[name]
+    if data_cfg.download and not root.is_dir():
+        try:
+            root.mkdir(parents=True, exist_ok=True)  # the other ranks of this host too
+        except OSError as e:
+            raise _not_found(name, root, files.missing(root), f"cannot create it: {e}") from e
+    with _one_at_a_time(root, name):
+        if not files.ready(root):
+            _fetch(name, root, files, data_cfg.download)
+    return files.read(root)
+
+
+def _one_at_a_time(root: Path, name: str) -> contextlib.AbstractContextManager:
+    """An exclusive lock on ROOT/.NAME.lock, released when the context ends. None where
+    root is missing or read-only: nobody can be writing there then."""
+    try:
+        lock = (root / f".{name}.lock").open("a")
+    except OSError:
+        return contextlib.nullcontext()
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return lock  # closing the file releases the lock
+
+
+@dataclass(frozen=True)
+class _Files:
+    """What torchvision needs of a dataset under ROOT, and reading it."""
+
+    missing: Callable[[Path], list[str]]  # what is neither there nor to be had offline
+    ready: Callable[[Path], bool]  # whether torchvision can read the files as they are
+    fetch: Callable[[Path], None]  # extract what is there, download the rest
+    read: Callable[[Path], Dataset]
+
+
+def _fetch(name: str, root: Path, files: _Files, download: bool) -> None:
+    missing = files.missing(root)
+    if missing and not download:
+        raise _not_found(name, root, missing, "data.download=false")
+    log.info("%s %s in %s", "downloading" if missing else "extracting", name, root)
+    try:
+        files.fetch(root)
+    except Exception as e:  # torchvision raises URLError, RuntimeError, OSError...
+        reason = " ".join(str(e).split())  # its messages span lines
+        if not (missing := files.missing(root)):  # all there, but not to be extracted
+            raise DataError(f"dataset {name} in {root}: could not extract it ({reason}). "
+                            f"Fix: delete the damaged files to download them again, or "
+                            f"point data.root=PATH at an intact copy.") from e
+        raise _not_found(name, root, missing, f"download failed: {reason}") from e
+
+
+def _not_found(name: str, root: Path, missing: list[str], why: str) -> DataError:
+    return DataError(
+        f"dataset {name} not found: looked in {root} and did not find "
+        f"{', '.join(missing)}; could not download it ({why}). "
+        f"Fix: put the files there, point data.root=PATH at a folder that has them, "
+        f"or run once on a machine with internet access and data.download=true."
+    )
 
 
 # ------------------------------------------------------------------------------ MNIST
 
-_MNIST_FILES = {
-    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
-}
+
+def _mnist_raw(root: Path) -> Path:
+    return root / "MNIST" / "raw"
 
 
-def _mnist_path(root: Path, name: str) -> Path | None:
-    for candidate in (root / "MNIST" / "raw" / name, root / "MNIST" / "raw" / f"{name}.gz"):
-        if candidate.is_file():
-            return candidate
-    return None
+def _mnist_names() -> list[str]:
+    from torchvision.datasets import MNIST
+
+    return [gz.removesuffix(".gz") for gz, _ in MNIST.resources]
 
 
 def _mnist_missing(root: Path) -> list[str]:
-    names = [n for pair in _MNIST_FILES.values() for n in pair]
-    return [f"MNIST/raw/{n}[.gz]" for n in names if _mnist_path(root, n) is None]
+    raw = _mnist_raw(root)
+    return [f"MNIST/raw/{name}[.gz]" for name in _mnist_names()
+            if not (raw / name).is_file() and not (raw / f"{name}.gz").is_file()]
 
 
-def _read_idx(path: Path) -> torch.Tensor:
-    """The IDX format of LeCun's MNIST files: magic (0, 0, dtype 0x08, ndim), big-endian
-    uint32 sizes, then uint8 data."""
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    if raw[:3] != b"\x00\x00\x08":
-        raise DataError(f"{path} is not an IDX uint8 file (first bytes {raw[:4].hex()})")
-    ndim = raw[3]
-    dims = np.frombuffer(raw, dtype=">u4", count=ndim, offset=4).astype(int)
-    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
-    if data.size != int(np.prod(dims)):
-        raise DataError(f"{path} is truncated: {data.size} values, header says {tuple(dims)}")
-    return torch.from_numpy(data.reshape(tuple(dims)).copy())
+def _mnist_ready(root: Path) -> bool:
+    return all((_mnist_raw(root) / name).is_file() for name in _mnist_names())
+
+
+def _mnist_fetch(root: Path) -> None:
+    """Decompress the .gz files that are there (whole or not at all), download the rest.
+    The .gz are not held to the published md5: this repository's copies were compressed
+    again; what they hold is checked when it is read."""
+    from torchvision.datasets import MNIST
+
+    raw = _mnist_raw(root)
+    for name in _mnist_names():
+        if not (raw / name).is_file() and (raw / f"{name}.gz").is_file():
+            write_atomic(raw / name, gzip.decompress((raw / f"{name}.gz").read_bytes()))
+    if not _mnist_ready(root):
+        MNIST(root, download=True)  # all four files, whichever split it names
 
 
 def _read_mnist(root: Path) -> Dataset:
-    splits = {}
-    for split, (images, labels) in _MNIST_FILES.items():
-        x = _read_idx(_mnist_path(root, images)).unsqueeze(1)  # N x 1 x 28 x 28
-        y = _read_idx(_mnist_path(root, labels)).long()
-        splits[split] = Split(x, y)
-    return Dataset("mnist", splits["train"], splits["test"], 10, (0.1307,), (0.3081,))
+    from torchvision.datasets import MNIST
 
-
-def _fetch_mnist(root: Path) -> None:
-    import torchvision
-
-    for train in (True, False):
-        torchvision.datasets.MNIST(root, train=train, download=True)
+    try:
+        train, test = (MNIST(root, train=split) for split in (True, False))
+    except (RuntimeError, ValueError, TypeError, AssertionError) as e:  # its IDX checks
+        raise DataError(
+            f"dataset mnist in {_mnist_raw(root)} is not readable as MNIST ({e!r}). Fix: "
+            f"delete the damaged files (the .gz are decompressed again), or point "
+            f"data.root=PATH at an intact copy.") from e
+    return Dataset("mnist", Split(train.data.unsqueeze(1), train.targets),
+                   Split(test.data.unsqueeze(1), test.targets), 10, (0.1307,), (0.3081,))
 
 
 # --------------------------------------------------------------------------- CIFAR-10
 
-_CIFAR_DIR = "cifar-10-batches-py"
-_CIFAR_TRAIN = [f"data_batch_{i}" for i in range(1, 6)]
-_CIFAR_TEST = ["test_batch"]
+
+def _cifar_files(root: Path) -> list[tuple[Path, str]]:
+    """(path, published md5) of every file torchvision reads."""
+    from torchvision.datasets import CIFAR10
+
+    folder = root / CIFAR10.base_folder
+    return [(folder / name, md5) for name, md5 in
+            [*CIFAR10.train_list, *CIFAR10.test_list,
+             (CIFAR10.meta["filename"], CIFAR10.meta["md5"])]]
+
+
+def _shown(root: Path, path: Path) -> str:
+    return str(path.relative_to(root))
 
 
 def _cifar_missing(root: Path) -> list[str]:
-    return [f"{_CIFAR_DIR}/{n}" for n in _CIFAR_TRAIN + _CIFAR_TEST
-            if not (root / _CIFAR_DIR / n).is_file()]
+    return [_shown(root, path) for path, _ in _cifar_files(root) if not path.is_file()]
 
 
-def _read_cifar_batches(root: Path, names: list[str]) -> Split:
-    """The python version of CIFAR-10: pickled dicts with ``data`` (N x 3072 uint8, the
-    1024 red, then green, then blue values of each 32x32 image) and ``labels``."""
-    images, labels = [], []
-    for name in names:
-        path = root / _CIFAR_DIR / name
-        try:
-            with path.open("rb") as f:
-                batch = pickle.load(f, encoding="bytes")
-            data, batch_labels = batch[b"data"], batch[b"labels"]
-        except (pickle.UnpicklingError, EOFError, KeyError, TypeError) as e:
-            raise DataError(f"{path} is not a CIFAR-10 python batch file ({e!r})") from e
-        images.append(torch.as_tensor(np.asarray(data, dtype=np.uint8)).view(-1, 3, 32, 32))
-        labels.append(torch.as_tensor(batch_labels, dtype=torch.long))
-    return Split(torch.cat(images), torch.cat(labels))
+def _cifar_fetch(root: Path) -> None:
+    from torchvision.datasets import CIFAR10
+
+    CIFAR10(root, download=True)
 
 
 def _read_cifar10(root: Path) -> Dataset:
-    return Dataset(
-        "cifar10",
-        _read_cifar_batches(root, _CIFAR_TRAIN),
-        _read_cifar_batches(root, _CIFAR_TEST),
-        10,
-        (0.4914, 0.4822, 0.4465),
-        (0.2470, 0.2435, 0.2616),
-    )
+    from torchvision.datasets import CIFAR10
+    from torchvision.datasets.utils import check_integrity
+
+    try:
+        train, test = (CIFAR10(root, train=split) for split in (True, False))
+    except RuntimeError as e:  # "Dataset not found or corrupted": its md5 checks
+        differ = [_shown(root, p) for p, md5 in _cifar_files(root) if not check_integrity(p, md5)]
+        raise DataError(
+            f"dataset cifar10 in {root}: {', '.join(differ) or e} differ from the published "
+            f"CIFAR-10 files (md5). Fix: delete them to download CIFAR-10 again "
+            f"(data.download=true), or point data.root=PATH at an intact copy.") from e
+
+    def split(part) -> Split:  # torchvision holds N x H x W x C numpy arrays
+        return Split(torch.from_numpy(part.data).permute(0, 3, 1, 2).contiguous(),
+                     torch.tensor(part.targets, dtype=torch.long))
+
+    return Dataset("cifar10", split(train), split(test), 10,
+                   (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
 
 
-def _fetch_cifar10(root: Path) -> None:
-    import torchvision
-
-    torchvision.datasets.CIFAR10(root, train=True, download=True)
+_FILES = {
+    "mnist": _Files(_mnist_missing, _mnist_ready, _mnist_fetch, _read_mnist),
+    "cifar10": _Files(_cifar_missing, lambda root: not _cifar_missing(root), _cifar_fetch,
+                      _read_cifar10),
+}
 
 
 # -------------------------------------------------------------------------- synthetic
@@ -200,37 +269,3 @@ def _synthetic(cfg: DictConfig, seed: int) -> Dataset:
     # The mean and standard deviation of uniform integers 0..255, scaled to [0, 1].
     return Dataset("synthetic", split(cfg.train_size), split(cfg.test_size), cfg.num_classes,
                    (0.5,) * channels, (0.2887,) * channels)
-
-
-# --------------------------------------------------------------------------- fetching
-
-_READERS: dict[str, tuple[Callable[[Path], Dataset], Callable[[Path], list[str]],
-                          Callable[[Path], None]]] = {
-    "mnist": (_read_mnist, _mnist_missing, _fetch_mnist),
-    "cifar10": (_read_cifar10, _cifar_missing, _fetch_cifar10),
-}
-
-
-def _not_found(name: str, root: Path, missing: list[str], why: str) -> DataError:
-    return DataError(
-        f"dataset {name} not found: looked in {root} and did not find "
-        f"{', '.join(missing)}; could not download it ({why}). "
-        f"Fix: put the files there, point data.root=PATH at a folder that has them, "
-        f"or run once on a machine with internet access and data.download=true."
-    )
-
-
-def _download(name: str, root: Path, missing: Callable[[Path], list[str]],
-              fetch: Callable[[Path], None]) -> None:
-    """Download with torchvision, one process per machine at a time: workers on the
-    same host share ``root``, and the first to take the lock fetches for all."""
-    root.mkdir(parents=True, exist_ok=True)
-    with (root / f".{name}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not missing(root):
-            return
-        log.info("downloading %s into %s", name, root)
-        try:
-            fetch(root)
-        except Exception as e:  # torchvision raises URLError, RuntimeError, OSError...
-            raise _not_found(name, root, missing(root), f"download failed: {e}") from e

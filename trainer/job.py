@@ -108,8 +108,8 @@ def _prepare(cfg: DictConfig, launch: runtime.Launch):
             checkpoints.remote.check_access()
         found = find_resume(cfg.resume, checkpoints)
         if found is not None:
-            check_compatible(found, OmegaConf.to_container(cfg.model, resolve=True),
-                             cfg.dataset.name)
+            model = OmegaConf.to_container(cfg.model, resolve=True, enum_to_str=True)
+            check_compatible(found, model, cfg.dataset.name)
     return checkpoints, found, dataset, device
 
 

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer import runtime
 from trainer.checkpoint import Checkpoints
-from trainer.config import global_batch
+from trainer.config import DType, global_batch
 from trainer.data import Batch, Batches
 from trainer.datasets import Dataset
 from trainer.engines import Engine
@@ -43,7 +43,7 @@ from trainer.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = {DType.float32: torch.float32, DType.float64: torch.float64}
 
 
 @dataclass
@@ -57,31 +57,22 @@ class Position:
 
 class Stopwatch:
     """Wall time of training steps only: paused around evaluation and checkpoints.
-    Waits for the GPU at each pause, so asynchronous kernels are counted.
-
-    Also the CPU time the process's other threads took meanwhile: the engine's
-    transport threads (Horovod's background loop, Gloo's), and torch's intra-op pool
-    where train.threads > 1. On CPU workers they share the training loop's cores:
-    benchmarks/predict.py charges them to its compute."""
+    Waits for the GPU at each pause, so asynchronous kernels are counted."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.total = 0.0
-        self.other_threads_cpu = 0.0
         self._start: float | None = None
-        self._others_at_start = 0.0
 
     def start(self) -> None:
         if self._start is None:
             self._start = time.perf_counter()
-            self._others_at_start = runtime.other_threads_cpu()
 
     def pause(self) -> None:
         if self._start is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.total += time.perf_counter() - self._start
-            self.other_threads_cpu += runtime.other_threads_cpu() - self._others_at_start
             self._start = None
 
     def read(self) -> float:
@@ -126,7 +117,7 @@ class Trainer:
         self.raw_model = getattr(self.model, "module", self.model)  # unwrapped (DDP)
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
         self.telemetry = Telemetry(run_dir, engine.rank == 0, cfg.telemetry.progress,
-                                   self.total_steps)
+                                   self.total_steps, self.position.step)
         self.stopwatch = Stopwatch(engine.device)
         self._last_saved = "(written by rank 0)"
         # Running sums since the last log line, on the device: loss x n, correct, n.
@@ -161,7 +152,7 @@ class Trainer:
                 lr = self.schedule.apply(self.optimizer, pos.step)
                 self._train_step(batch)
                 pos.step, pos.offset = pos.step + 1, batch.offset
-                self.telemetry.lr(pos.step, lr)
+                self.telemetry.step(pos.step, lr)
                 if _every(pos.step, cfg.telemetry.log_every):
                     last_log = self._log_interval(last_log, lr)
                 if _every(pos.step, cfg.train.eval_every_steps):
@@ -191,11 +182,8 @@ class Trainer:
             self._checkpoint()
         steps = pos.step - start_step
         seconds = self.stopwatch.total
-        timed = max(seconds, 1e-9)  # a run resumed at its last step trains for no time
-        images_per_second = steps * self.global_batch / timed
-        # Every rank's: a synchronous step goes at the pace of the rank they slow most.
-        others = self.engine.all_gather_object(
-            round(self.stopwatch.other_threads_cpu / timed, 4))
+        # A run resumed at its last step trains for no time.
+        images_per_second = steps * self.global_batch / max(seconds, 1e-9)
         return {
             "test_accuracy": test["accuracy"],
             "test_loss": test["loss"],
@@ -203,7 +191,6 @@ class Trainer:
             "images_per_second": images_per_second,
             "images_per_second_per_worker": images_per_second / self.world_size,
             "world_size": self.world_size,
-            "other_threads_cores": others,
             "global_batch": self.global_batch,
             "batch_size": cfg.train.batch_size,
             "accumulation": cfg.train.accumulation,
@@ -281,11 +268,12 @@ class Trainer:
                 "global_batch": self.global_batch,
                 "schedule": {"step": pos.step, "peak_lr": self.schedule.peak_lr},
                 "rng": rng,
-                "config": OmegaConf.to_container(self.cfg, resolve=True),
+                # Plain strings for the enum fields: weights_only loading takes no classes.
+                "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
             }
             meta = {
                 "step": pos.step, "epoch": pos.epoch, "offset": pos.offset,
-                "model": OmegaConf.to_container(self.cfg.model, resolve=True),
+                "model": OmegaConf.to_container(self.cfg.model, resolve=True, enum_to_str=True),
                 "dataset": self.cfg.dataset.name,
                 "world_size": self.world_size, "global_batch": self.global_batch,
             }

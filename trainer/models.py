@@ -10,12 +10,13 @@ with BatchNorm (the ResNets) normalise over each worker's batch unless
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import cache
 
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
+
+from trainer.config import ModelName
 
 
 def _flat_size(features: nn.Module, shape: tuple[int, int, int]) -> int:
@@ -118,13 +119,6 @@ def cifar_resnet(cfg: DictConfig, shape: tuple[int, int, int], num_classes: int)
     return model
 
 
-@cache
-def torchvision_archs() -> list[str]:
-    import torchvision
-
-    return sorted(torchvision.models.list_models(module=torchvision.models))
-
-
 def torchvision_model(cfg: DictConfig, shape: tuple[int, int, int], num_classes: int) -> nn.Module:
     """Any torchvision classification model by name, randomly initialised (no download).
     Grey images are repeated to three channels, which these models expect."""
@@ -141,12 +135,12 @@ class _GreyToRGB(nn.Module):
         return x.expand(-1, 3, -1, -1)
 
 
-MODELS: dict[str, Callable[[DictConfig, tuple[int, int, int], int], nn.Module]] = {
-    "convnet": convnet,
-    "lenet": lenet,
-    "cifar_convnet": cifar_convnet,
-    "cifar_resnet": cifar_resnet,
-    "torchvision": torchvision_model,
+MODELS: dict[ModelName, Callable[[DictConfig, tuple[int, int, int], int], nn.Module]] = {
+    ModelName.convnet: convnet,
+    ModelName.lenet: lenet,
+    ModelName.cifar_convnet: cifar_convnet,
+    ModelName.cifar_resnet: cifar_resnet,
+    ModelName.torchvision: torchvision_model,
 }
 
 

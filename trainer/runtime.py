@@ -27,7 +27,6 @@ import platform
 import random
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 
 import torch
@@ -98,13 +97,6 @@ def set_threads(threads: int | None, local_world_size: int) -> int:
         threads = max(1, len(os.sched_getaffinity(0)) // max(1, local_world_size))
     torch.set_num_threads(threads)
     return threads
-
-
-def other_threads_cpu() -> float:
-    """CPU seconds this process's threads other than the caller have used: the engine's
-    transport threads (Horovod's background loop, Gloo's) and torch's intra-op pool,
-    which share a CPU worker's cores with its training loop."""
-    return time.process_time() - time.thread_time()
 
 
 # glibc's mallopt(3) parameters, from <malloc.h>.

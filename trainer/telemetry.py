@@ -4,61 +4,74 @@
                            epoch/seconds, test/{loss,accuracy}
     RUN_DIR/metrics.jsonl  one JSON object per line: kind=train (every telemetry.log_every
                            steps), kind=epoch, kind=test
-    stderr                 a progress bar (a line every 5% when not a terminal)
+    stderr                 a tqdm progress bar (telemetry.progress): redrawn in place on a
+                           terminal; in a log, a plain line every LOG_LINE_SECONDS
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
+
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 log = logging.getLogger(__name__)
 
+# Where stderr is not a terminal (CI, a file, a launcher's pipe): a line this often.
+LOG_LINE_SECONDS = 30.0
 
-class Progress:
-    """A one-line progress bar on a terminal; periodic plain lines in a log."""
 
-    def __init__(self, total: int, stream=sys.stderr) -> None:
-        self.total = max(total, 1)
+class _Lines(io.TextIOBase):
+    """tqdm's output as whole lines. tqdm redraws with a carriage return, which a log
+    keeps: one line growing with every redraw."""
+
+    def __init__(self, stream: TextIO) -> None:
         self.stream = stream
-        self.tty = stream.isatty()
-        self.start = time.monotonic()
-        self._last_draw = 0.0
-        self._last_fraction = -1.0
 
-    def update(self, done: int, text: str) -> None:
-        now = time.monotonic()
-        fraction = done / self.total
-        if self.tty:
-            if now - self._last_draw < 0.2 and done < self.total:
-                return
-            bar = "#" * int(30 * fraction)
-            self.stream.write(f"\r[{bar:<30}] {done}/{self.total} {text} "
-                              f"eta {self._eta(now, fraction)}\x1b[K")
-            if done >= self.total:
-                self.stream.write("\n")
-        else:
-            if fraction - self._last_fraction < 0.05 and done < self.total:
-                return
-            self._last_fraction = fraction
-            self.stream.write(f"step {done}/{self.total} ({fraction:.0%}) {text} "
-                              f"eta {self._eta(now, fraction)}\n")
-        self._last_draw = now
+    def write(self, text: str) -> int:
+        if line := text.strip():
+            self.stream.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
         self.stream.flush()
 
-    def _eta(self, now: float, fraction: float) -> str:
-        if fraction <= 0:
-            return "?"
-        left = int((now - self.start) * (1 - fraction) / fraction)
-        return f"{left // 60}:{left % 60:02d}"
+
+class Progress:
+    """Steps done of the run's total, with the last logged loss, LR and img/s."""
+
+    def __init__(self, total: int, done: int, stream: TextIO = sys.stderr) -> None:
+        self._on_exit = contextlib.ExitStack()
+        if stream.isatty():
+            self.bar = tqdm(total=total, initial=done, unit="step", file=stream,
+                            dynamic_ncols=True)
+            # Log lines go through tqdm, which clears the bar, prints, and draws it again.
+            self._on_exit.enter_context(logging_redirect_tqdm())
+        else:
+            self.bar = tqdm(total=total, initial=done, unit="step", file=_Lines(stream),
+                            ascii=True, mininterval=LOG_LINE_SECONDS, miniters=1)
+
+    def update(self, done: int) -> None:
+        self.bar.update(done - self.bar.n)
+
+    def describe(self, text: str) -> None:
+        self.bar.set_postfix_str(text, refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
+        self._on_exit.close()
 
 
 class Telemetry:
-    def __init__(self, run_dir: Path, enabled: bool, progress: bool, total_steps: int) -> None:
+    def __init__(self, run_dir: Path, enabled: bool, progress: bool, total_steps: int,
+                 done_steps: int) -> None:
         self.enabled = enabled
         if not enabled:
             return
@@ -68,15 +81,17 @@ class Telemetry:
         self.metrics_path = run_dir / "metrics.jsonl"
         self.writer = SummaryWriter(str(self.tensorboard_dir))
         self.metrics = self.metrics_path.open("a", buffering=1)  # a line at a time
-        self.progress = Progress(total_steps) if progress else None
+        self.progress = Progress(total_steps, done_steps) if progress else None
         self._lrs: list[tuple[int, float]] = []
 
-    def lr(self, step: int, lr: float) -> None:
-        """Every step's LR. Handed to TensorBoard's writer thread with the next train
-        record, not one by one: each hand-over wakes that thread, which then takes a core
-        from the compute threads."""
+    def step(self, step: int, lr: float) -> None:
+        """Every step: its LR, and the progress bar. The LRs go to TensorBoard's writer
+        thread with the next train record, not one by one: each hand-over wakes that
+        thread, which then takes a core from the compute threads."""
         if self.enabled:
             self._lrs.append((step, lr))
+            if self.progress:
+                self.progress.update(step)
 
     def _write_lrs(self) -> None:
         for step, lr in self._lrs:
@@ -94,8 +109,8 @@ class Telemetry:
         self._record(kind="train", step=step, epoch=epoch, lr=lr, loss=loss,
                      accuracy=accuracy, images_per_second=images_per_second)
         if self.progress:
-            self.progress.update(step, f"epoch {epoch + 1} loss {loss:.4f} lr {lr:.4g} "
-                                       f"{images_per_second:.0f} img/s")
+            self.progress.describe(f"epoch {epoch + 1} loss {loss:.4f} lr {lr:.4g} "
+                                   f"{images_per_second:.0f} img/s")
 
     def epoch(self, step: int, epoch: int, seconds: float, images_per_second: float) -> None:
         if not self.enabled:
@@ -121,6 +136,8 @@ class Telemetry:
 
     def close(self) -> None:
         if self.enabled:
+            if self.progress:
+                self.progress.close()
             self._write_lrs()
             self.writer.close()
             self.metrics.close()

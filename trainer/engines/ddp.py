@@ -23,7 +23,6 @@ import gc
 import logging
 import os
 import socket
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -37,9 +36,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from trainer.engines import Engine
+from trainer.engines.base import Engine
 from trainer.engines.mpi import MPISums, sum_hook
 from trainer.exits import exit_peer_lost
+from trainer.polling import poll
 from trainer.runtime import Launch, outward_address, slurm_master_addr
 
 log = logging.getLogger(__name__)
@@ -113,23 +113,27 @@ def _horovodrun_rendezvous(launch: Launch, timeout: timedelta) -> dist.Store:
         request = urllib.request.Request(url, data=address.encode(), method="PUT")
         urllib.request.urlopen(request, timeout=30).close()
         return store
-    deadline = time.monotonic() + timeout.total_seconds()
-    while True:
+
+    def posted() -> str | None:
         try:
             with urllib.request.urlopen(url, timeout=30) as response:
-                address = response.read().decode()
-            return _tcp_store(*_split(address), launch, False, timeout)
+                return response.read().decode()
         except urllib.error.HTTPError as e:
-            if e.code != 404 or time.monotonic() > deadline:
+            if e.code != 404:
                 raise
-            time.sleep(0.1)  # rank 0 has not posted yet
+            return None  # rank 0 has not posted yet
+
+    address = poll(posted, timeout_s=timeout.total_seconds(), interval_s=0.1,
+                   what=f"rank 0's store address at horovodrun's rendezvous server {url} "
+                        "(engine.timeout_s)")
+    return _tcp_store(*_split(address), launch, False, timeout)
 
 
 def backend_of(cfg: DictConfig, device: torch.device) -> str:
     """The transport engine.backend names: auto is NCCL on GPUs, Gloo on CPUs."""
     if cfg.backend == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
-    return cfg.backend
+    return str(cfg.backend)
 
 
 class SingleProcess(Engine):
@@ -260,13 +264,17 @@ class DDPEngine(Engine):
         try:
             self.store.set_timeout(timedelta(seconds=_ROLL_CALL_SECONDS))
             self.store.set(f"alive/{self.rank}", "1")
-            deadline = time.monotonic() + _ROLL_CALL_SECONDS
-            while True:
-                missing = [r for r in range(self.world_size)
-                           if not self.store.check([f"alive/{r}"])]
-                if not missing or time.monotonic() > deadline:
-                    return missing
-                time.sleep(0.2)
+
+            def missing() -> list[int]:
+                return [r for r in range(self.world_size)
+                        if not self.store.check([f"alive/{r}"])]
+
+            try:
+                poll(lambda: True if not missing() else None, timeout_s=_ROLL_CALL_SECONDS,
+                     interval_s=0.2, what="the roll call")
+                return []
+            except TimeoutError:
+                return missing()
         except Exception:  # any store failure means its server (rank 0 or the agent) is gone
             return None
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainer.config import ConfigError
-from trainer.engines import Engine
+from trainer.engines.base import Engine
 from trainer.runtime import Launch
 
 BUILD_HINT = (

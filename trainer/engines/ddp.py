@@ -10,10 +10,9 @@ through mpi4py instead of Gloo (a DDP communication hook; each rank's loss is di
 the world size first, so the sum is the average), and so are the loop's small
 sums (the per-step preemption vote, metrics); the process group stays Gloo for the
 rest (object broadcasts, the final barrier). On one host MPI moves them through shared
-memory: 0.13 ms instead of Gloo's 1.7 ms for 1 MiB, 2 us instead of 1.3 ms for 1 KiB
-(benchmarks/results/reference/). The hook waits until its bucket is
-reduced, so buckets do not overlap with the rest of backward: worth it while a
-bucket's MPI allreduce is shorter than Gloo's. A watchdog holds MPI calls to
+memory, several times faster than Gloo's TCP (`spotring bench` measures both). The hook
+waits until its bucket is reduced, so buckets do not overlap with the rest of backward:
+worth it while a bucket's MPI allreduce is shorter than Gloo's. A watchdog holds MPI calls to
 engine.timeout_s (engines/mpi.py), so a hung rank fails the others as under Gloo.
 """
 

@@ -6,13 +6,13 @@
 
 The buckets are summed, not averaged: each rank's loss was already divided by the world
 size (Engine.loss_scale), which is one scalar division instead of one per gradient
-value (0.05 ms of 0.17 ms for 738 KB here).
+value.
 
 MPI's collectives wait forever for a rank that hangs: mpirun ends the job only when a
 rank exits. Gloo's and NCCL's calls give up after engine.timeout_s, and these must too.
 Polling a non-blocking Iallreduce against the deadline does that, but on one host it
-costs twice a blocking Allreduce at gradient sizes (0.27 against 0.13 ms for 738 KB
-through shared memory), the very gap MPI is chosen for. So the call blocks, and a
+costs about twice a blocking Allreduce at gradient sizes through shared memory, the very
+gap MPI is chosen for. So the call blocks, and a
 watchdog thread checks a few times per timeout whether the call in progress has outlived
 its deadline. A thread blocked inside MPI cannot be interrupted, and a collective that
 half happened leaves no state to recover, so on_timeout is expected to end the process

@@ -1,6 +1,6 @@
 """The cluster side of spotring: start nodes, write hostfiles, run the trainer across
-them, tear them down. `python -m launch` (__main__.py, whose docstring is the runbook)
-composes the steps, each a module of its own:
+them, tear them down. `spotring launch|up|run|status|down|cost` (__main__.py, whose
+docstring is the runbook) composes the steps, each a module of its own:
 
     up.py          nodes, known_hosts, hostfiles        config.py     schemas, offline checks
     run.py         code over, the job, results back    rundir.py     runs/launch/<run id>/

@@ -1,24 +1,26 @@
-"""python -m launch: start spot GPU nodes, run the trainer across them, tear them down.
+"""spotring launch|up|run|status|down|cost: start spot GPU nodes, run the trainer
+across them, tear them down (also `python -m launch ...`).
 
-    python -m launch launch nodes=8 -- train.epochs=30    up + run + down (make launch NODES=8);
-                                                with cluster.max_restarts=K, lost spot
-                                                nodes are replaced and the job resumes
-    python -m launch up nodes=8                 the nodes; the first line names the run dir,
-                                                where hosts and hosts.mpich are written
-    python -m launch run -- dataset=cifar10     the code to the nodes, the job, results back
-    python -m launch status                     the newest run's nodes (or run_id=ID)
-    python -m launch down                       the newest run (or run_id=ID); --all-mine:
-                                                everything of yours, from any run
-    python -m launch cost                       $/hour now; the newest run's node-hours, $/epoch
-    python -m launch up nodes=8 --dry-run       the whole plan; no cloud API is called
+    spotring launch nodes=8 -- train.epochs=30   up + run + down (make launch NODES=8);
+                                                 with cluster.max_restarts=K, lost spot
+                                                 nodes are replaced and the job resumes
+    spotring up nodes=8                          the nodes; the first line names the run
+                                                 dir, where hosts and hosts.mpich are written
+    spotring run -- dataset=cifar10              the code to the nodes, the job, results back
+    spotring status                              the newest run's nodes (or run_id=ID)
+    spotring down                                the newest run (or run_id=ID); --all-mine:
+                                                 everything of yours, from any run
+    spotring cost                                $/hour now; the newest run's node-hours,
+                                                 $/epoch
+    spotring up nodes=8 --dry-run                the whole plan; no cloud API is called
 
 Before `--`: overrides of conf/launch.yaml, e.g. nodes=8 cluster=local,
 cluster.instance_types=[g5.12xlarge,g6.12xlarge], cluster.zones=[us-east-1a],
-cluster.ssh_cidr=203.0.113.7/32, cluster.on_demand_fallback=true, job.launcher=torchrun.
-After it: the trainer's, as `python -m trainer` takes them, checked before anything is
-created. `run`, `status`, `down` and `cost` take the cluster and node count from the
-run's launch.yaml (`cost` prices other nodes=, cluster.instance_types=, zones= or
-region= when given).
+cluster.ssh_cidr=203.0.113.7/32, cluster.on_demand_fallback=true, job.launcher=torchrun
+(`spotring up --help` lists the keys). After it: the trainer's, as `spotring train` takes
+them, checked before anything is created. `run`, `status`, `down` and `cost` take the
+cluster and node count from the run's launch.yaml (`cost` prices other nodes=,
+cluster.instance_types=, zones= or region= when given). docs/launching.md is the guide.
 
 `launch` takes everything down at the end, on an error and on Ctrl-C; `up` does on an
 error or Ctrl-C before it is done. Exit codes: 0 done; 1 failed (no capacity, an AWS or
@@ -32,15 +34,17 @@ import argparse
 import logging
 import signal
 import sys
+import textwrap
 from pathlib import Path
 
 from botocore.exceptions import BotoCoreError, ClientError
+from omegaconf import DictConfig
 
 from launch import config
 from launch.cost import after_run, hourly
 from launch.down import down
 from launch.plan import plan
-from launch.provider import NoCapacity, provider_for
+from launch.provider import NoCapacity, Provider
 from launch.recover import supervise
 from launch.run import run as run_job
 from launch.rundir import RunDir
@@ -48,23 +52,53 @@ from launch.up import up
 from trainer.config import ConfigError
 from trainer.exits import EXIT_CONFIG, EXIT_FAILED
 
-COMMANDS = ("up", "run", "status", "down", "cost", "launch")
 PRICED_ANEW = ("nodes", "cluster.instance_types", "cluster.zones", "cluster.region")
 log = logging.getLogger("launch")
 
+# Each subcommand: its line in the list of subcommands, and the overrides it reads.
+COMMANDS = {
+    "launch": ("up + run + down: start the nodes, train across them, take them down",
+               ["nodes", "cluster", "cluster.*", "job.launcher", "run_id", "runs_dir",
+                "project", "--"]),
+    "up": ("start the nodes, scan their host keys, write the hostfiles",
+           ["nodes", "cluster", "cluster.*", "job.launcher", "run_id", "runs_dir", "project",
+            "--"]),
+    "run": ("copy the code to a run's nodes, run the trainer across them, bring results back",
+            ["run_id", "runs_dir", "job.launcher", "--"]),
+    "status": ("a run's nodes and their state", ["run_id", "runs_dir"]),
+    "down": ("delete everything of a run (--all-mine: of every run of yours)",
+             ["run_id", "runs_dir", "cluster", "cluster.region", "project"]),
+    "cost": ("$/hour of N nodes now; a run's node-hours, cost and $/epoch",
+             ["nodes", "cluster", "cluster.instance_types", "cluster.zones", "cluster.region",
+              "run_id", "runs_dir"]),
+}
+OVERRIDES = {
+    "nodes": ("nodes=N", "how many nodes (default 1)"),
+    "cluster": ("cluster=aws_spot|local", "EC2 spot instances (default) or this machine"),
+    "cluster.region": ("cluster.region=REGION", "the AWS region (default us-east-1)"),
+    "cluster.zones": ("cluster.zones=[ZONE,...]", "zones to price (default: every zone)"),
+    "cluster.instance_types": ("cluster.instance_types=[TYPE,...]", "types to price"),
+    "job.launcher": ("job.launcher=LAUNCHER", "horovodrun (default), mpirun or torchrun"),
+    "run_id": ("run_id=ID", "the run (default: up and launch a new one, the others "
+                            "the newest)"),
+    "runs_dir": ("runs_dir=DIR", "where run directories are (default runs/launch)"),
+    "project": ("project=NAME", "the `project` tag of every resource (default spotring)"),
+    "--": ("-- ARGS", "the trainer's overrides (spotring train --help), e.g.\n"
+                      "-- dataset=cifar10 train.epochs=30"),
+}
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+
+def main(argv: list[str] | None = None, prog: str = "spotring") -> int:
+    """Run one subcommand: ``argv`` is [subcommand, arguments...], ``prog`` what help and
+    error messages call the program. Returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     ours, trainer_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) \
         if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(prog="python -m launch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=COMMANDS)
-    parser.add_argument("--dry-run", action="store_true", help="print the plan, call no API")
-    parser.add_argument("--all-mine", action="store_true",
-                        help="down: every resource of yours, from any run")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides of conf/launch.yaml")
-    args = parser.parse_intermixed_args(ours)
+    try:
+        args = _parse(prog, ours, trainer_args)
+    except SystemExit as e:  # --help (0) or a usage error (2), printed by argparse
+        return e.code if isinstance(e.code, int) else 0
+    name = f"{prog} {args.command}"
     _log_to(sys.stdout)
     # A closed terminal or a `kill` tears down like Ctrl-C does.
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -72,14 +106,58 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _command(args, trainer_args)
     except ConfigError as e:
-        print(f"spotring launch: error: {e}", file=sys.stderr)
+        print(f"{name}: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     except (NoCapacity, RuntimeError, TimeoutError, ClientError, BotoCoreError) as e:
-        print(f"spotring launch: {args.command} failed: {e}", file=sys.stderr)
+        print(f"{name}: failed: {e}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
-        print(f"spotring launch: {args.command} interrupted", file=sys.stderr)
+        print(f"{name}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
+
+
+def _parse(prog: str, ours: list[str], trainer_args: list[str]) -> argparse.Namespace:
+    """The subcommand and its options; argparse prints help and usage errors itself."""
+    if not ours or ours[0] not in COMMANDS:
+        top = argparse.ArgumentParser(
+            prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog="subcommands (each has --help):\n" + "\n".join(
+                f"  {name:<8}{summary}" for name, (summary, _) in COMMANDS.items()))
+        top.add_argument("command", choices=list(COMMANDS), help="the subcommand (below)")
+        top.parse_args(ours[:1])  # --help, no subcommand or an unknown one: exits
+    command, (summary, keys) = ours[0], COMMANDS[ours[0]]
+    parser = argparse.ArgumentParser(prog=f"{prog} {command}", description=summary,
+                                     epilog=_overrides_help(keys),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the plan; create nothing, call no cloud API")
+    if command == "down":
+        parser.add_argument("--all-mine", action="store_true",
+                            help="every resource of yours, from any run")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="overrides of conf/launch.yaml (below)")
+    args = parser.parse_intermixed_args(ours[1:])
+    if trainer_args and "--" not in keys:
+        parser.error(f"takes no trainer arguments (after --: {' '.join(trainer_args)}); "
+                     "`run`, `up` and `launch` do")
+    args.command = command
+    args.all_mine = getattr(args, "all_mine", False)
+    return args
+
+
+def _overrides_help(keys: list[str]) -> str:
+    lines = ["overrides (Hydra syntax; conf/launch.yaml and conf/cluster/):"]
+    for key in keys:
+        if key != "cluster.*":
+            left, right = OVERRIDES[key]
+            lines.append(f"  {left:<25} " + right.replace("\n", "\n" + " " * 28))
+            continue
+        lines.append(f"  {'cluster.KEY=VALUE':<25} the cluster's settings; the keys of")
+        for cluster, names in config.cluster_keys().items():
+            lines.append(textwrap.fill(", ".join(names), width=88,
+                                       initial_indent=f"    {cluster + ':':<10}",
+                                       subsequent_indent=" " * 14))
+    return "\n".join(lines)
 
 
 def _interrupt(signum, frame):
@@ -162,5 +240,16 @@ def _run_dir(command: str, cfg, all_mine: bool) -> RunDir:
         raise
 
 
+def provider_for(cfg: DictConfig, run: RunDir) -> Provider:
+    """The provider conf/cluster/NAME.yaml names; each is imported only when chosen."""
+    if cfg.cluster.name == "local":
+        from launch.local.provider import LocalCluster
+
+        return LocalCluster(cfg.cluster, run)
+    from launch.aws.provider import AwsSpot
+
+    return AwsSpot(cfg.cluster, run, cfg.project)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m launch"))

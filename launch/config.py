@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
@@ -104,12 +104,20 @@ def register() -> None:
         cs.store(group="schema/cluster", name=name, node=node)
 
 
+def cluster_keys() -> dict[str, list[str]]:
+    """The cluster.* keys, from the schemas (for --help): those of every cluster under
+    "any", then each cluster's own."""
+    common = [f.name for f in fields(ClusterConfig) if f.name != "name"]
+    return {"any": common} | {name: [f.name for f in fields(schema) if f.name not in common
+                                     and f.name != "name"] for name, schema in _SCHEMAS.items()}
+
+
 def compose(overrides: list[str]) -> DictConfig:
     """conf/launch.yaml with Hydra overrides; a bad override is a ConfigError."""
     register()
     return compose_checked("launch", overrides,
                            "See conf/launch.yaml and conf/cluster/, or the plan of a command "
-                           "line with `python -m launch up --dry-run`.")
+                           "line with `spotring up --dry-run`.")
 
 
 def with_saved_cluster(cfg: DictConfig, saved: Path, keep: list[str]) -> DictConfig:

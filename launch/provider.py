@@ -15,12 +15,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from omegaconf import DictConfig
-
-if TYPE_CHECKING:
-    from launch.rundir import RunDir
 
 
 @dataclass(frozen=True)
@@ -85,13 +79,3 @@ class Provider(ABC):
     def prices(self) -> list[tuple[str, str, float]]:
         """(instance type, zone, $/hour) of each type in the config, where known."""
         return []
-
-
-def provider_for(cfg: DictConfig, run: RunDir) -> Provider:
-    if cfg.cluster.name == "local":
-        from launch.local.provider import LocalCluster
-
-        return LocalCluster(cfg.cluster, run)
-    from launch.aws.provider import AwsSpot
-
-    return AwsSpot(cfg.cluster, run, cfg.project)

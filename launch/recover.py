@@ -22,7 +22,6 @@ them (the trainer resumes from S3 on the new node 0).
 from __future__ import annotations
 
 import logging
-import time
 
 from omegaconf import DictConfig
 
@@ -33,6 +32,7 @@ from launch.ssh import RemoteError
 from launch.up import admit
 from trainer import config as trainer_config
 from trainer.exits import EXIT_PEER_LOST, EXIT_PREEMPTED
+from trainer.polling import poll
 
 log = logging.getLogger("launch")
 
@@ -82,13 +82,15 @@ def _lost_nodes(cfg: DictConfig, run: RunDir, provider: Provider,
     """The run's nodes that no longer run: not `running`, or gone from the provider's
     list altogether (EC2 stops listing terminated instances after a while). After a
     spot notice (exit 75) the instance still runs for up to two minutes: wait for it."""
-    deadline = time.monotonic() + (cfg.cluster.notice_wait_s if waiting else 0)
-    while True:
+    def lost() -> list[Node] | None:
         running = {n.id for n in provider.describe() if n.state == "running"}
-        lost = [n for n in run.nodes() if n.id not in running]
-        if lost or time.monotonic() >= deadline:
-            return lost
-        time.sleep(cfg.cluster.notice_poll_s)
+        return [n for n in run.nodes() if n.id not in running] or None
+
+    try:
+        return poll(lost, timeout_s=cfg.cluster.notice_wait_s if waiting else 0,
+                    interval_s=cfg.cluster.notice_poll_s, what="a lost node")
+    except TimeoutError:  # every node still runs: the restart goes on with them all
+        return []
 
 
 def _replace(cfg: DictConfig, run: RunDir, provider: Provider, lost: list[Node]) -> list[Node]:

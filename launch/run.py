@@ -45,7 +45,7 @@ def run(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
     nodes = run.nodes()
     if not nodes or "destroyed_at" in run.state():
         raise ConfigError(f"run {run.id} has no nodes (taken down, or never up): start a new "
-                          "run with `python -m launch up` or `launch`")
+                          "run with `spotring up` or `spotring launch`")
     ssh = ssh_for(cfg, run)
     job = job_for(cfg, run, provider, nodes)
     count = sync.push(ssh, nodes, provider.workdir, run)

@@ -35,7 +35,10 @@ class RunDir:
     """The paths of one run's files, and its state."""
 
     def __init__(self, path: Path):
-        self.path = Path(path)
+        # Absolute from here on: the paths written into the run's files (a local node's
+        # sshd_config, which sshd reads again after changing to /) and those handed to
+        # other programs must not depend on the directory the launcher started in.
+        self.path = Path(path).resolve()
 
     @property
     def id(self) -> str:
@@ -73,7 +76,7 @@ class RunDir:
                                   f"(newest: {known})")
             return run
         if not runs:
-            raise ConfigError(f"no runs in {runs_dir}: start one with `python -m launch up`")
+            raise ConfigError(f"no runs in {runs_dir}: start one with `spotring up`")
         return cls(runs[-1].parent)
 
     # ------------------------------------------------------------------------ state

@@ -11,13 +11,13 @@ StrictHostKeyChecking=no by themselves; that is Horovod's choice, not ours.)
 from __future__ import annotations
 
 import subprocess
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TypeVar
 
 from launch.provider import Node
+from trainer.polling import poll
 
 T = TypeVar("T")
 
@@ -42,19 +42,24 @@ def scan_host_keys(nodes: Sequence[Node], known_hosts: Path, timeout_s: float) -
 
 
 def _scan(node: Node, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        out = subprocess.run(["ssh-keyscan", "-T", "5", "-t", "ed25519", node.address],
-                             capture_output=True, text=True).stdout
-        keys = [line.split(None, 1)[1] for line in out.splitlines()
+    said = ""  # ssh-keyscan's last complaint, for the error
+
+    def scan() -> str | None:
+        nonlocal said
+        proc = subprocess.run(["ssh-keyscan", "-T", "5", "-t", "ed25519", node.address],
+                              capture_output=True, text=True)
+        said = proc.stderr.strip()
+        keys = [line.split(None, 1)[1] for line in proc.stdout.splitlines()
                 if line.strip() and not line.startswith("#")]
-        if keys:
-            names = ",".join(dict.fromkeys([node.address, node.private_address]))
-            return "".join(f"{names} {key}\n" for key in keys)
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"node {node.id} ({node.address}): no sshd answered within "
-                               f"{timeout_s:.0f} s (cluster.ssh_timeout_s)")
-        time.sleep(2)
+        names = ",".join(dict.fromkeys([node.address, node.private_address]))
+        return "".join(f"{names} {key}\n" for key in keys) or None
+
+    try:
+        return poll(scan, timeout_s=timeout_s, interval_s=2,
+                    what=f"node {node.id} ({node.address}): an sshd that answers "
+                         "ssh-keyscan (cluster.ssh_timeout_s)")
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}; ssh-keyscan said: {said or 'nothing'}") from None
 
 
 def on_each(nodes: Sequence[Node], fn: Callable[[Node], T]) -> list[T]:
@@ -104,11 +109,17 @@ class Ssh:
     def wait_for_login(self, nodes: Sequence[Node], timeout_s: float) -> None:
         """sshd may answer before the node accepts the key (cloud-init still at work)."""
         def login(node: Node) -> None:
-            deadline = time.monotonic() + timeout_s
-            while (proc := self.run(node, "true", check=False)).returncode != 0:
-                if time.monotonic() > deadline:
-                    raise RemoteError(node, "true", proc.returncode, proc.stderr)
-                time.sleep(3)
+            last: subprocess.CompletedProcess | None = None
+
+            def try_once() -> bool | None:
+                nonlocal last
+                last = self.run(node, "true", check=False)
+                return last.returncode == 0 or None
+
+            try:
+                poll(try_once, timeout_s=timeout_s, interval_s=3, what=f"node {node.id}: a login")
+            except TimeoutError:  # ssh's own words say why better than a timeout does
+                raise RemoteError(node, "true", last.returncode, last.stderr) from None
         on_each(nodes, login)
 
 

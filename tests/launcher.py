@@ -1,11 +1,12 @@
 """Running the launcher as users do (python -m launch, make launch) and finding what a
-local cluster leaves on this machine."""
+local cluster leaves on this machine: namespaces, links, processes."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from launch.local import netns
 from tests.conftest import REPO
@@ -33,3 +34,18 @@ def leftovers(run_id: str) -> list[str]:
     """The run's namespaces and links still on this machine."""
     names = netns.Names(run_id)
     return netns.namespaces(names.ns_prefix) + netns.links(names.link_prefix)
+
+
+def processes(run_id: str) -> list[str]:
+    """This machine's processes whose command line names the run (its nodes' sshds, the
+    job's ranks and launchers), as "PID: COMMAND LINE"."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
+        except OSError:  # ended meanwhile
+            continue
+        line = " ".join(a.decode(errors="replace") for a in argv).strip()
+        if run_id in line:
+            found.append(f"{proc.name}: {line}")
+    return found

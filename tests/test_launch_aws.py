@@ -8,6 +8,7 @@ of capacity, failing a call (tests/aws.py)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -16,6 +17,8 @@ import sys
 import time
 
 import pytest
+import urllib3
+from botocore.awsrequest import AWSResponse
 from botocore.exceptions import ClientError
 
 from launch import config
@@ -188,7 +191,8 @@ def test_launch_takes_everything_down_after_an_error(cli, tmp_path):
     # moto's instances cannot be reached, so `run` fails at its first ssh.
     proc = cli("launch", "nodes=1", "cluster.instance_types=[c5.large]", expect=1)
     run = only_run(tmp_path)
-    assert "launch failed" in proc.stderr and "no machine behind this moto instance" in proc.stderr
+    assert "launch: failed: " in proc.stderr
+    assert "no machine behind this moto instance" in proc.stderr
     assert f"down: done; nothing of run {run.id} is left" in proc.stdout
     assert tagged(run.id) == {}
 
@@ -204,13 +208,13 @@ def test_launch_takes_everything_down_on_ctrl_c(aws, tmp_path):
                             start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in proc.stdout:
-        if line.startswith("up: `python -m launch run`"):  # up is done; run is copying
+        if line.startswith("up: `spotring run`"):  # up is done; run is copying
             break
     time.sleep(1)
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     run = only_run(tmp_path)
-    assert proc.returncode == 130 and "launch interrupted" in err
+    assert proc.returncode == 130 and "launch: interrupted" in err
     assert f"down: done; nothing of run {run.id} is left" in out
     assert tagged(run.id) == {}
 
@@ -407,6 +411,35 @@ def test_an_instance_lost_while_starting_means_the_next_attempt(aws, tmp_path, c
     assert set(states.values()) == {"terminated"}
     aws_spot.destroy()
     assert tagged(aws_spot.run.id) == {}
+
+
+THROTTLED = (b"<Response><Errors><Error><Code>RequestLimitExceeded</Code><Message>Request "
+             b"limit exceeded.</Message></Error></Errors><RequestID>1</RequestID></Response>")
+
+
+def test_throttled_calls_are_retried(aws, tmp_path, monkeypatch):
+    """AWS throttles an account's API calls (RequestLimitExceeded); moto never does. So
+    the first call of each service is answered here with AWS's throttling error, in the
+    HTTP layer (botocore's before-send), where botocore's retries see it as they would
+    AWS's. The environment allows one attempt: only the launcher's own retry config
+    gets past."""
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    aws_spot = provider(tmp_path)
+    throttled = []
+
+    def throttle(request, event_name, **_):
+        operation = event_name.split(".", 2)[1:]
+        if operation[0] in [service for service, _ in throttled]:
+            return None  # the retry, and the calls after it, go through to moto
+        throttled.append(operation)
+        raw = urllib3.HTTPResponse(body=io.BytesIO(THROTTLED), status=503,
+                                   preload_content=False)
+        return AWSResponse(request.url, 503, {}, raw)
+
+    aws_spot.session.events.register("before-send", throttle)  # every client made after
+    aws_spot.check()  # STS, then EC2: the credentials, the types, the subnets, the AMI
+    assert throttled == [["sts", "GetCallerIdentity"], ["ec2", "DescribeInstanceTypes"]]
+    assert aws_spot.preflight.ami == AMI
 
 
 @pytest.mark.parametrize("operation", [

@@ -1,4 +1,5 @@
-"""The launcher's config: what is bad input without asking AWS, and the message it gets."""
+"""The launcher's command line and config: every subcommand's --help, what is bad input
+without asking AWS, and the message it gets."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import sys
 import pytest
 
 from launch import config
+from launch.__main__ import main
 from tests.conftest import REPO
+from tests.launcher import launcher
 from trainer.config import ConfigError
 
 
@@ -96,3 +99,50 @@ def test_the_launcher_starts_without_importing_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                          text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# What `spotring X --help` must name: the overrides X reads (on top of --help itself).
+@pytest.mark.parametrize("command, names", [
+    ("launch", ["nodes=N", "cluster=aws_spot|local", "instance_types", "max_restarts",
+                "slots", "-- ARGS"]),
+    ("up", ["nodes=N", "cluster.KEY=VALUE", "instance_types", "ssh_cidr", "--dry-run"]),
+    ("run", ["run_id=ID", "job.launcher=", "-- ARGS"]),
+    ("status", ["run_id=ID", "runs_dir=DIR"]),
+    ("down", ["run_id=ID", "--all-mine"]),
+    ("cost", ["nodes=N", "cluster.instance_types=", "cluster.zones=", "run_id=ID"]),
+])
+def test_every_subcommand_answers_help(capsys, command, names):
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: spotring {command} ")
+    assert [n for n in names if n not in out] == []
+
+
+def test_the_subcommands_are_listed_one_line_each(capsys):
+    assert main(["--help"], prog="spotring") == 0
+    out = capsys.readouterr().out
+    listed = out[out.index("subcommands"):].splitlines()[1:]
+    assert [line.split()[0] for line in listed] == ["launch", "up", "run", "status", "down",
+                                                    "cost"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["uo", "nodes=2"], "spotring: error: argument command: invalid choice: 'uo' (choose from "
+                        "'launch', 'up', 'run', 'status', 'down', 'cost')"),
+    ([], "spotring: error: the following arguments are required: command"),
+    (["status", "--", "train.epochs=1"], "spotring status: error: takes no trainer arguments "
+                                         "(after --: train.epochs=1)"),
+    (["up", "--all-mine"], "spotring up: error: unrecognized arguments: --all-mine"),
+])
+def test_a_bad_command_line_exits_2_naming_it(capsys, argv, message):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_python_dash_m_launch_names_itself():
+    proc = launcher("down", "--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m launch down ")
+    proc = launcher("up", "nodes=0", "--dry-run")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("python -m launch up: error: bad launch configuration:\n"
+                                  "  - nodes=0: must be from 1 to cluster.max_nodes=16")

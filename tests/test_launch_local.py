@@ -1,11 +1,14 @@
 """cluster=local for real: network namespaces with their own addresses, an sshd in each,
-ssh checked against the run's known_hosts, and `make launch NODES=2 CLUSTER=local`
-training MNIST with horovodrun across them, then nothing left on this machine."""
+ssh checked against the run's known_hosts, and the documented `make launch NODES=2
+CLUSTER=local ...`, typed as a user types it, training MNIST with horovodrun across them,
+then nothing left on this machine."""
 
 from __future__ import annotations
 
 import json
 import re
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,22 +24,26 @@ from launch.local.provider import LocalCluster
 from launch.rundir import RunDir
 from launch.ssh import RemoteError, Ssh, new_key, scan_host_keys
 from tests.conftest import REPO
-from tests.launcher import launcher, leftovers, netns_unavailable
+from tests.launcher import launcher, leftovers, netns_unavailable, processes
 
 WHY_NOT = netns_unavailable()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 
 
-def test_local_nodes_are_machines_of_their_own(tmp_path):
-    cfg = config.compose(["cluster=local", "nodes=1", f"runs_dir={tmp_path}"])
+def test_local_nodes_are_machines_of_their_own(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default runs_dir (runs/launch) is relative to it
+    cfg = config.compose(["cluster=local", "nodes=1"])
     config.validate(cfg)
-    run = RunDir.planned(tmp_path)
+    run = RunDir.planned(cfg.runs_dir)
+    assert run.path == tmp_path / "runs/launch" / run.id
     run.create(cfg)
     new_key(run.key, "test")
     cluster = LocalCluster(cfg.cluster, run)
     cluster.check()
     try:
         (node,) = cluster.create(1)
+        # The node's sshd, as the check at the end would see one left behind.
+        assert [p for p in processes(run.id) if f"-f {run.path}/nodes/node-0/" in p] != []
         run.save_nodes([node])
         scan_host_keys([node], run.known_hosts, timeout_s=10)
         ssh = Ssh("root", run.key, run.known_hosts)
@@ -57,33 +64,43 @@ def test_local_nodes_are_machines_of_their_own(tmp_path):
     finally:
         done = cluster.destroy()
     assert done[0].startswith(f"deleted node {new.id} (stopped pids ")
-    assert leftovers(run.id) == []
+    assert leftovers(run.id) == [] and processes(run.id) == []
 
 
-# Long enough (about 10 s of training) for a node to be taken away mid-run.
-TRAIN = ("train.max_steps=120 train.threads=1 telemetry.progress=false "
-         "checkpoint.every_steps=20")
+# The local cluster's command as README.md and docs/launching.md show it, run as typed from the
+# repository root, with the default runs_dir (runs/launch): shortened only by its ARGS.
+README_COMMAND = 'make launch NODES=2 CLUSTER=local ARGS="train.max_steps=120"'
+README_ARGS = next(w for w in shlex.split(README_COMMAND) if w.startswith("ARGS="))[5:].split()
 
 
-def run_dir_of(output: str) -> RunDir:
-    first = next(line for line in output.splitlines() if line.startswith("spotring: run "))
-    return RunDir(Path(re.fullmatch(r"spotring: run \S+ in (\S+)", first).group(1)))
+@pytest.mark.parametrize("page", ["README.md", "docs/launching.md"])
+def test_the_docs_show_the_command_the_test_runs(page):
+    assert README_COMMAND in (REPO / page).read_text()
+
+
+def run_dir_of(output: str) -> RunDir | None:
+    first = [line for line in output.splitlines() if line.startswith("spotring: run ")]
+    if not first:
+        return None
+    return RunDir(Path(re.fullmatch(r"spotring: run \S+ in (\S+)", first[0]).group(1)))
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    runs = tmp_path_factory.mktemp("runs")
-    proc = subprocess.run(["make", "--no-print-directory", "launch", "NODES=2", "CLUSTER=local",
-                           f"LAUNCH_ARGS=runs_dir={runs}", f"ARGS={TRAIN}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
-    return proc, run_dir_of(proc.stdout), runs
+def uninterrupted():
+    proc = subprocess.run(README_COMMAND, shell=True, cwd=REPO, capture_output=True, text=True,
+                          timeout=900)
+    run = run_dir_of(proc.stdout)
+    yield proc, run
+    if run is not None:  # the test's run, in the checkout's runs/launch: not the user's
+        shutil.rmtree(run.path)
 
 
 @pytest.mark.slow
-def test_make_launch_trains_mnist_across_two_local_nodes(uninterrupted):
-    proc, run, runs = uninterrupted
+def test_the_documented_make_launch_trains_mnist_across_two_local_nodes(uninterrupted):
+    proc, run = uninterrupted
     out = proc.stdout
     assert proc.returncode == 0, out[-5000:] + proc.stderr[-3000:]
+    assert run.path.parent == REPO / "runs/launch"  # the default runs_dir
 
     # up: the hostfile from the namespaces' own addresses, their host keys.
     nodes = run.nodes()
@@ -110,8 +127,8 @@ def test_make_launch_trains_mnist_across_two_local_nodes(uninterrupted):
     # down: nothing of the run on this machine; again, nothing to do.
     assert f"down: done; nothing of run {run.id} is left" in out
     assert f"cost: run {run.id}: 2 nodes" in out
-    assert leftovers(run.id) == []
-    again = launcher("down", f"runs_dir={runs}")
+    assert leftovers(run.id) == [] and processes(run.id) == []
+    again = launcher("down", f"run_id={run.id}")
     assert f"nothing of run {run.id} was left to delete" in again.stdout
 
 
@@ -125,7 +142,8 @@ def steps_on_node_0(run: RunDir) -> int:
 def test_a_node_vanishes_mid_run_and_the_launcher_recovers(tmp_path, uninterrupted):
     proc = subprocess.Popen(
         [sys.executable, "-m", "launch", "launch", "nodes=2", "cluster=local",
-         "cluster.max_restarts=1", f"runs_dir={tmp_path}", "--", *TRAIN.split()],
+         "cluster.max_restarts=1", f"runs_dir={tmp_path}", "--", *README_ARGS,
+         "checkpoint.every_steps=20"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
@@ -157,4 +175,4 @@ def test_a_node_vanishes_mid_run_and_the_launcher_recovers(tmp_path, uninterrupt
     assert summary["steps"] == 120 and summary["world_size"] == 2
     baseline = json.loads((uninterrupted[1].job / "summary.json").read_text())
     assert abs(summary["test_accuracy"] - baseline["test_accuracy"]) <= 0.002
-    assert leftovers(run.id) == []
+    assert leftovers(run.id) == [] and processes(run.id) == []

@@ -57,13 +57,15 @@ class S3Store:
         import boto3
         from boto3.s3.transfer import TransferConfig
 
+        from trainer.aws import RETRIES
+
         parsed = urlparse(uri)
         if parsed.scheme != "s3" or not parsed.netloc:
             raise ConfigError(f"checkpoint.uri={uri}: expected s3://bucket/prefix")
         self.bucket = parsed.netloc
         self.prefix = parsed.path.strip("/")
         self.where = uri.rstrip("/")
-        self.client = boto3.client("s3")
+        self.client = boto3.client("s3", config=RETRIES)
         self.transfer = TransferConfig(multipart_threshold=PART_BYTES,
                                        multipart_chunksize=PART_BYTES)
 

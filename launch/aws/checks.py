@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from botocore.exceptions import BotoCoreError, ClientError
 from omegaconf import DictConfig
 
+from launch.aws.clients import client
 from launch.config import ssh_cidr_problem
 from trainer.config import ConfigError
 
@@ -37,7 +38,7 @@ def caller_arn(session) -> str:
             "no AWS credentials: set AWS_PROFILE (after `aws configure` or `aws sso login`) "
             "or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY. Nothing was created.")
     try:
-        return session.client("sts").get_caller_identity()["Arn"]
+        return client(session, "sts").get_caller_identity()["Arn"]
     except (ClientError, BotoCoreError) as e:
         raise ConfigError(f"the AWS credentials do not work: {e}. Nothing was created.") from e
 
@@ -104,7 +105,7 @@ def _ami(session, ec2, cfg: DictConfig) -> tuple[str, str]:
     ami = cfg.ami
     if ami is None:
         try:
-            ami = session.client("ssm").get_parameter(
+            ami = client(session, "ssm").get_parameter(
                 Name=cfg.ami_ssm_parameter)["Parameter"]["Value"]
         except ClientError as e:
             raise ConfigError(f"cluster.ami_ssm_parameter={cfg.ami_ssm_parameter}: "

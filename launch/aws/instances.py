@@ -1,18 +1,19 @@
 """A run's instances: waiting until they are ready, and describing them as Nodes.
 
-The wait is a loop of its own rather than boto3's waiters: a spot instance can be
-reclaimed while it boots, and a waiter would wait out its whole timeout for an instance
-that is gone. This loop notices at the next poll, and `up` moves on to the next attempt.
+The wait polls describe_instance_status itself rather than use boto3's waiters: a spot
+instance can be reclaimed while it boots, and a waiter would wait out its whole timeout
+for an instance that is gone. The poll notices at its next look, and `up` moves on to the
+next attempt.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import time
 
 from botocore.exceptions import ClientError
 
 from launch.provider import Node
+from trainer.polling import poll
 
 GONE = {"shutting-down", "terminated", "stopping", "stopped"}
 
@@ -23,8 +24,10 @@ class Lost(RuntimeError):
 
 def wait_ready(ec2, ids: list[str], timeout_s: float, poll_s: float) -> None:
     """Until every instance is running with both status checks ok; Lost if one goes."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    ready: list[str] = []
+
+    def all_ready() -> bool | None:
+        nonlocal ready
         try:
             statuses = ec2.describe_instance_status(InstanceIds=ids, IncludeAllInstances=True)
         except ClientError as e:
@@ -39,12 +42,15 @@ def wait_ready(ec2, ids: list[str], timeout_s: float, poll_s: float) -> None:
             raise Lost("lost while starting: " + ", ".join(f"{i} ({s})" for i, s in lost.items()))
         ready = [i for i, s in by_id.items() if s["InstanceState"]["Name"] == "running"
                  and s["InstanceStatus"]["Status"] == "ok" and s["SystemStatus"]["Status"] == "ok"]
-        if len(ready) == len(ids):
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{len(ready)} of {len(ids)} instances ready after {timeout_s:.0f}"
-                               " s (cluster.wait_timeout_s)")
-        time.sleep(poll_s)
+        return len(ready) == len(ids) or None
+
+    try:
+        poll(all_ready, timeout_s=timeout_s, interval_s=poll_s,
+             what=f"{len(ids)} instances running with status checks ok "
+                  "(cluster.wait_timeout_s)")
+    except TimeoutError as e:
+        waiting = ", ".join(i for i in ids if i not in ready)
+        raise TimeoutError(f"{e}; {len(ready)} ready, still waiting for {waiting}") from None
 
 
 def describe(ec2, filters: list[dict]) -> list[Node]:

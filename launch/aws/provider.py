@@ -14,10 +14,9 @@ import logging
 from collections.abc import Sequence
 from functools import cached_property
 
-import boto3
 from omegaconf import DictConfig
 
-from launch.aws import checks, fleet, instances, resources, tags, user_data
+from launch.aws import checks, clients, fleet, instances, resources, tags, user_data
 from launch.aws.prices import spot_prices
 from launch.provider import NoCapacity, Node, Provider
 from launch.rundir import RunDir
@@ -39,11 +38,11 @@ class AwsSpot(Provider):
     # Made on first use, so that a dry run never builds a client, let alone calls AWS.
     @cached_property
     def session(self):
-        return boto3.session.Session(region_name=self.cfg.region)
+        return clients.session(self.cfg.region)
 
     @cached_property
     def ec2(self):
-        return self.session.client("ec2")
+        return clients.client(self.session, "ec2")
 
     @property
     def workdir(self) -> str:

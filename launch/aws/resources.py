@@ -12,12 +12,12 @@
 from __future__ import annotations
 
 import base64
-import time
 
 from botocore.exceptions import ClientError
 
 from launch.aws import tags as tagging
 from launch.aws.tags import Tags
+from trainer.polling import poll
 
 
 def create_key_pair(ec2, name: str, public_key: str, tags: Tags) -> None:
@@ -110,13 +110,16 @@ def delete_all(ec2, filters: list[dict], placement_groups: bool, poll_s: float) 
 
 
 def _delete_security_group(ec2, group_id: str, poll_s: float, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def delete() -> bool | None:
         try:
             ec2.delete_security_group(GroupId=group_id)
-            return
+            return True
         except ClientError as e:
             # Terminated instances release their network interfaces a little later.
-            if e.response["Error"]["Code"] != "DependencyViolation" or time.monotonic() > deadline:
+            if e.response["Error"]["Code"] != "DependencyViolation":
                 raise
-            time.sleep(poll_s)
+            return None
+
+    poll(delete, timeout_s=timeout_s, interval_s=poll_s,
+         what=f"security group {group_id}: deleted once the network interfaces of its "
+              "instances are released")

@@ -1,8 +1,8 @@
 """cluster=local: a cluster of N "machines" on this one, to run the launcher end to end
 with no cloud (as root, with openssh-server installed: `make system-deps`).
 
-    make launch NODES=2 CLUSTER=local ARGS="train.max_steps=50"
-    python -m launch up nodes=2 cluster=local; python -m launch run; python -m launch down
+    make launch NODES=2 CLUSTER=local ARGS="train.max_steps=120"
+    spotring up nodes=2 cluster=local; spotring run; spotring down
 
 Each node is a network namespace with its own address on a bridge (netns.py) and its
 own sshd (sshd.py), so every step takes the same path as on EC2: `up` scans the host

@@ -16,7 +16,8 @@ import os
 import re
 import signal
 import subprocess
-import time
+
+from trainer.polling import poll
 
 NS_PREFIX = "spotring-"
 LINK_PREFIX = "spr"
@@ -106,14 +107,17 @@ def delete_namespace(ns: str, stops: tuple[tuple[int, float], ...] = (
     """Stop every process in ``ns`` (its sshd, any job), then remove it; returns the pids.
     ``stops``: the signals sent in turn, each with the seconds it has to end them all."""
     pids = [int(p) for p in ip("netns", "pids", ns).split()]
+    def all_ended() -> bool | None:
+        return not any(_signal(p, 0) for p in pids) or None
+
     for sig, wait in stops:
-        alive = [p for p in pids if _signal(p, sig)]
-        deadline = time.monotonic() + wait
-        while alive and time.monotonic() < deadline:
-            time.sleep(0.1)
-            alive = [p for p in alive if _signal(p, 0)]
-        if not alive:
+        for pid in pids:
+            _signal(pid, sig)
+        try:
+            poll(all_ended, timeout_s=wait, interval_s=0.1, what=f"the processes of {ns}")
             break
+        except TimeoutError:  # the next, harder signal
+            continue
     ip("netns", "delete", ns)
     return pids
 

@@ -33,7 +33,7 @@ class LocalCluster(Provider):
     @property
     def workdir(self) -> str:
         # The same path for every node; each mounts its own directory there.
-        return str(self.run.path.resolve() / "workdir")
+        return str(self.run.path / "workdir")
 
     def plan(self, count: int) -> list[str]:
         return [

@@ -17,10 +17,10 @@ from __future__ import annotations
 import pwd
 import shlex
 import subprocess
-import time
 from pathlib import Path
 
 from launch.ssh import new_key
+from trainer.polling import poll
 
 SSHD = Path("/usr/sbin/sshd")
 
@@ -72,9 +72,7 @@ def start(ns: str, node_dir: Path, hostname: str, workdir: Path, user: str) -> i
     if proc.returncode != 0:
         raise RuntimeError(f"sshd in {ns} did not start: {proc.stderr.strip()}")
     pid_file = node_dir / "sshd.pid"
-    deadline = time.monotonic() + 10
-    while not (pid_file.exists() and pid_file.read_text().strip()):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"sshd in {ns} wrote no pid file: see {node_dir / 'sshd.log'}")
-        time.sleep(0.05)
-    return int(pid_file.read_text())
+    pid = poll(lambda: pid_file.exists() and pid_file.read_text().strip() or None,
+               timeout_s=10, interval_s=0.05,
+               what=f"sshd in {ns}: its pid file (see {node_dir / 'sshd.log'})")
+    return int(pid)

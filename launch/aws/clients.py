@@ -1,0 +1,17 @@
+"""The one place the launcher's boto3 clients are made, with trainer/aws.py's retries."""
+
+from __future__ import annotations
+
+import boto3
+
+from trainer.aws import RETRIES
+
+
+def session(region: str) -> boto3.session.Session:
+    """Credentials as boto3 finds them (AWS_PROFILE, the variables, ~/.aws); boto3
+    honours AWS_ENDPOINT_URL, which is how the tests point every client at moto."""
+    return boto3.session.Session(region_name=region)
+
+
+def client(session: boto3.session.Session, service: str):
+    return session.client(service, config=RETRIES)

@@ -29,8 +29,8 @@ def local_command(launcher: str, nproc: int, args: list[str],
         # --oversubscribe: more ranks than cores is fine for CPU tests and benchmarks.
         return [str(BIN / "mpirun"), "-np", str(nproc), "--oversubscribe", *python]
     if launcher == "horovodrun":
-        # --gloo: without it horovodrun picks its MPI controller, which passes Open MPI 5
-        # a single-dash -bind-to that it no longer reads (use mpirun for MPI instead).
+        # --gloo: Horovod's Gloo controller, whose rendezvous server also carries DDP's
+        # store address, so both engines run under it (mpirun covers the MPI controller).
         return [str(BIN / "horovodrun"), "--gloo", "-np", str(nproc), "-H", f"localhost:{nproc}",
                 *python]
     raise ValueError(f"launcher {launcher!r}: valid: {', '.join(LAUNCHERS)}")

@@ -60,8 +60,9 @@ def build(launcher: str, nodes: Sequence[Node], workdir: str, run_id: str,
         trainer.insert(2, f"engine={ENGINES[launcher]}")
     total = sum(n.slots for n in nodes)
     if launcher == "horovodrun":
-        # --gloo: without it horovodrun picks its MPI controller, which passes Open MPI 5
-        # a single-dash -bind-to that it no longer reads (use launcher=mpirun for MPI).
+        # --gloo: Horovod's Gloo controller needs nothing on the nodes but ssh, and its
+        # rendezvous server also carries DDP's store address, so both engines run under it
+        # (job.launcher=mpirun for MPI's).
         # --start-timeout: its ssh checks of every node take longer than its default 30 s
         # on a busy node 0 or with many nodes.
         commands = {0: ["horovodrun", "--gloo", "-np", total, "--hostfile", "hosts",

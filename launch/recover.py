@@ -14,7 +14,7 @@ and resume, up to cluster.max_restarts times.
 On fewer (or again more) workers the global batch stays what it was: train.accumulation
 (and, where it must, train.batch_size) make up for the missing workers, so with the
 world-size-invariant sample order the run continues the same sample sequence with the
-same maths (README, "Why N workers take the same steps as one"). Rank 0 keeps its
+same maths (docs/design.md, "Why N workers take the same steps as one"). Rank 0 keeps its
 checkpoints on node 0; if node 0 itself is lost, only checkpoint.uri=s3://... keeps
 them (the trainer resumes from S3 on the new node 0).
 """

@@ -18,9 +18,6 @@ def check_summary(run: Run, engine: str) -> None:
     assert summary["world_size"] == 2 and summary["global_batch"] == 64
     assert summary["engine"] == engine and summary["steps"] == 12
     assert 0 <= summary["test_accuracy"] <= 1 and summary["images_per_second"] > 0
-    # Every rank's, in cores: 1 training thread each, so the engine's threads alone.
-    assert len(summary["other_threads_cores"]) == 2
-    assert all(0 <= c < 2 for c in summary["other_threads_cores"])
 
 
 def launch(cmd: list[str], run_dir, timeout: float = 300) -> Run:
@@ -31,9 +28,12 @@ def launch(cmd: list[str], run_dir, timeout: float = 300) -> Run:
     return run
 
 
+def short_run(run_dir, *overrides: str) -> list[str]:
+    return [f"hydra.run.dir={run_dir}", *QUICK, *SHORT, *overrides]
+
+
 def trainer(run_dir, *overrides: str) -> list[str]:
-    return [str(BIN / "python"), "-m", "trainer", f"hydra.run.dir={run_dir}", *QUICK, *SHORT,
-            *overrides]
+    return [str(BIN / "python"), "-m", "trainer", *short_run(run_dir, *overrides)]
 
 
 @pytest.mark.slow
@@ -45,6 +45,17 @@ def test_ddp_under_horovodrun_with_hosts(tmp_path):
                   *trainer(tmp_path, "engine=ddp")], tmp_path)
     check_summary(run, "ddp")
     assert run.summary["backend"] == "gloo"
+
+
+@pytest.mark.slow
+def test_horovodrun_as_horovods_documentation_starts_a_job(tmp_path):
+    # No --gloo: horovodrun picks its MPI controller and starts Open MPI 5's mpirun, which
+    # reads the command line only with tools/horovod-openmpi5.patch built in. Typed as users
+    # type it: the launcher and the program found on PATH (the venv's bin first).
+    run = launch(["horovodrun", "-np", "2", "-H", "localhost:2", "spotring", "train",
+                  *short_run(tmp_path, "engine=horovod")], tmp_path)
+    check_summary(run, "horovod")
+    assert run.summary["backend"] == "mpi"  # Horovod's MPI controller, not Gloo's
 
 
 @pytest.mark.slow
@@ -65,8 +76,6 @@ def test_mpirun(tmp_path, engine, backend, transport):
                   *trainer(tmp_path, f"engine={engine}", f"engine.backend={backend}")], tmp_path)
     check_summary(run, engine)
     assert run.summary["backend"] == transport
-    if engine == "horovod":  # its background loop negotiates every millisecond
-        assert min(run.summary["other_threads_cores"]) > 0.01, run.summary
 
 
 @pytest.mark.slow
@@ -76,9 +85,9 @@ def test_make_train(tmp_path, engine):
     args = " ".join([f"hydra.run.dir={tmp_path}", *QUICK, *SHORT])
     run = launch(["make", "--no-print-directory", "train", f"ENGINE={engine}", "NPROC=2",
                   f"ARGS={args}"], tmp_path)
-    started = {"ddp": "torchrun --standalone --nproc-per-node 2 -m trainer engine=ddp ",
-               "horovod": "horovodrun --gloo -np 2 -H localhost:2 python -m trainer "
-                          "engine=horovod "}[engine]
+    started = {"ddp": "torchrun --standalone --nproc-per-node 2 --no-python spotring train",
+               "horovod": "horovodrun -np 2 -H localhost:2 spotring train engine=horovod "
+               }[engine]
     assert any(line.startswith(started) for line in run.proc.stdout.splitlines())
     check_summary(run, engine)
 

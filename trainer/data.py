@@ -1,6 +1,6 @@
 """The world-size-invariant sample order, and batches ready on the device.
 
-The invariant (see README, "Why N workers take the same steps as one"):
+The invariant (docs/design.md, "Why N workers take the same steps as one"):
 
     epoch e's order is ONE permutation of the training set, seeded by (seed, e);
     global batch i is permutation[offset + i*G : offset + (i+1)*G], G = the global batch;

@@ -3,7 +3,7 @@
 Horovod averages gradients with a ring allreduce started from per-parameter hooks
 during backward, fused into buffers; ``optimizer.step()`` waits for them. Its own
 rendezvous (horovodrun's, or MPI's under mpirun) replaces the store of engine=ddp.
-Build Horovod with `make horovod` (see README).
+Build Horovod with `make horovod` (see docs/horovod.md).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from trainer.runtime import Launch
 
 BUILD_HINT = (
     "Build it against this environment's torch with `make horovod` (about 5 minutes; "
-    "the wheel is cached, see README, 'Horovod'), or use engine=ddp.")
+    "the wheel is cached, see docs/horovod.md), or use engine=ddp.")
 
 
 def require_horovod(cfg: DictConfig, launch: Launch) -> None:

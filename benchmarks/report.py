@@ -52,8 +52,8 @@ def header(folder: Path, r: dict) -> str:
         f"# Benchmarks: {folder.name}",
         f"`{r['command']}`, started {r['started']}, {r['wall_seconds']:.0f} s"
         f"{', quick' if r.get('quick') else ''}. Load average (1, 5, 15 min) "
-        f"{m['load_average']} at the start, {m['load_average_end']} at the end: above "
-        f"{m['cores']}, other work shared the machine.",
+        f"{m['load_average']} at the start, {m['load_average_end']} at the end (above "
+        f"{m['cores']}, the number of cores, other work shared the machine).",
         "## Machine",
         table(["", ""], [
             ["CPU", f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB"],

@@ -63,18 +63,19 @@ lint: install
 train: install
 ifeq ($(ENGINE),horovod)
 	$(MAKE) horovod
-	horovodrun --gloo -np $(NPROC) -H localhost:$(NPROC) python -m trainer engine=horovod $(ARGS)
+	horovodrun -np $(NPROC) -H localhost:$(NPROC) spotring train engine=horovod $(ARGS)
 else
-	torchrun --standalone --nproc-per-node $(NPROC) -m trainer engine=$(ENGINE) $(ARGS)
+	torchrun --standalone --nproc-per-node $(NPROC) --no-python spotring train \
+	    engine=$(ENGINE) $(ARGS)
 endif
 
 bench: install horovod
-	$(BIN)/python -m benchmarks.suite $(if $(QUICK),--quick) $(BENCH_ARGS)
+	$(BIN)/spotring bench $(if $(QUICK),--quick) $(BENCH_ARGS)
 
 report: install
-	$(BIN)/python -m benchmarks.report $(RUN)
+	$(BIN)/spotring report $(RUN)
 
-# Spot clusters: python -m launch (README, "Launching on EC2 spot instances").
+# Spot clusters: spotring launch (docs/launching.md).
 # LAUNCH_ARGS: launcher overrides, e.g. "cluster.instance_types=[g5.12xlarge] runs_dir=DIR",
 # or for make down "--all-mine"; RUN_ID: a run of runs/launch/ (default: the newest).
 NODES   ?= 1
@@ -86,11 +87,11 @@ RUN_ID  ?=
 
 # The local cluster's nodes run this machine's .venv, and an sshd each.
 launch: install $(if $(filter local,$(CLUSTER)),horovod system-deps)
-	$(BIN)/python -m launch launch nodes=$(NODES) cluster=$(CLUSTER) $(if $(DRY_RUN),--dry-run) \
+	$(BIN)/spotring launch nodes=$(NODES) cluster=$(CLUSTER) $(if $(DRY_RUN),--dry-run) \
 	    $(LAUNCH_ARGS) -- $(ARGS)
 
 down: install
-	$(BIN)/python -m launch down cluster=$(CLUSTER) $(if $(RUN_ID),run_id=$(RUN_ID)) $(LAUNCH_ARGS)
+	$(BIN)/spotring down cluster=$(CLUSTER) $(if $(RUN_ID),run_id=$(RUN_ID)) $(LAUNCH_ARGS)
 
 # Debian packages: sshd for the local cluster (and its tests). Installed as root when
 # missing; elsewhere a note, and those tests skip.

@@ -12,3 +12,14 @@ docstring is the runbook) composes the steps, each a module of its own:
 commands.py builds the local launcher commands that the Makefile, tests and benchmarks
 use (and the environment every launcher gets).
 """
+
+# The subcommands and their one line each, for `spotring --help` and `spotring launch
+# --help` alike; here, where reading them imports nothing.
+STEPS = {
+    "launch": "up + run + down: start the nodes, train across them, take them down",
+    "up": "start the nodes, scan their host keys, write the hostfiles",
+    "run": "copy the code to a run's nodes, run the trainer across them, bring results back",
+    "status": "a run's nodes and their state",
+    "down": "delete everything of a run (--all-mine: of every run of yours)",
+    "cost": "$/hour of N nodes now; a run's node-hours, cost and $/epoch",
+}

@@ -40,7 +40,7 @@ from pathlib import Path
 from botocore.exceptions import BotoCoreError, ClientError
 from omegaconf import DictConfig
 
-from launch import config
+from launch import STEPS, config
 from launch.cost import after_run, hourly
 from launch.down import down
 from launch.plan import plan
@@ -55,22 +55,16 @@ from trainer.exits import EXIT_CONFIG, EXIT_FAILED
 PRICED_ANEW = ("nodes", "cluster.instance_types", "cluster.zones", "cluster.region")
 log = logging.getLogger("launch")
 
-# Each subcommand: its line in the list of subcommands, and the overrides it reads.
+# The overrides each subcommand reads (its one line: launch.STEPS).
 COMMANDS = {
-    "launch": ("up + run + down: start the nodes, train across them, take them down",
-               ["nodes", "cluster", "cluster.*", "job.launcher", "run_id", "runs_dir",
-                "project", "--"]),
-    "up": ("start the nodes, scan their host keys, write the hostfiles",
-           ["nodes", "cluster", "cluster.*", "job.launcher", "run_id", "runs_dir", "project",
-            "--"]),
-    "run": ("copy the code to a run's nodes, run the trainer across them, bring results back",
-            ["run_id", "runs_dir", "job.launcher", "--"]),
-    "status": ("a run's nodes and their state", ["run_id", "runs_dir"]),
-    "down": ("delete everything of a run (--all-mine: of every run of yours)",
-             ["run_id", "runs_dir", "cluster", "cluster.region", "project"]),
-    "cost": ("$/hour of N nodes now; a run's node-hours, cost and $/epoch",
-             ["nodes", "cluster", "cluster.instance_types", "cluster.zones", "cluster.region",
-              "run_id", "runs_dir"]),
+    "launch": ["nodes", "cluster", "cluster.*", "job.launcher", "run_id", "runs_dir", "project",
+               "--"],
+    "up": ["nodes", "cluster", "cluster.*", "job.launcher", "run_id", "runs_dir", "project", "--"],
+    "run": ["run_id", "runs_dir", "job.launcher", "--"],
+    "status": ["run_id", "runs_dir"],
+    "down": ["run_id", "runs_dir", "cluster", "cluster.region", "project"],
+    "cost": ["nodes", "cluster", "cluster.instance_types", "cluster.zones", "cluster.region",
+             "run_id", "runs_dir"],
 }
 OVERRIDES = {
     "nodes": ("nodes=N", "how many nodes (default 1)"),
@@ -122,11 +116,11 @@ def _parse(prog: str, ours: list[str], trainer_args: list[str]) -> argparse.Name
         top = argparse.ArgumentParser(
             prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
             epilog="subcommands (each has --help):\n" + "\n".join(
-                f"  {name:<8}{summary}" for name, (summary, _) in COMMANDS.items()))
+                f"  {name:<8}{summary}" for name, summary in STEPS.items()))
         top.add_argument("command", choices=list(COMMANDS), help="the subcommand (below)")
         top.parse_args(ours[:1])  # --help, no subcommand or an unknown one: exits
-    command, (summary, keys) = ours[0], COMMANDS[ours[0]]
-    parser = argparse.ArgumentParser(prog=f"{prog} {command}", description=summary,
+    command, keys = ours[0], COMMANDS[ours[0]]
+    parser = argparse.ArgumentParser(prog=f"{prog} {command}", description=STEPS[command],
                                      epilog=_overrides_help(keys),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true",

@@ -16,25 +16,20 @@ import importlib
 import sys
 from collections.abc import Callable
 
+from launch import STEPS
+
 # name: (module, function, one line for `spotring --help`)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("trainer.__main__", "main",
-              "train on this machine's ranks: alone, or as the program of torchrun, "
-              "horovodrun, mpirun or srun (Hydra overrides)"),
-    "launch": ("launch.__main__", "main",
-               "up + run + down: spot nodes, the trainer across them, everything deleted"),
-    "up": ("launch.__main__", "main", "start the nodes and write the hostfiles"),
-    "run": ("launch.__main__", "main", "run the trainer across the nodes of a run"),
-    "status": ("launch.__main__", "main", "the nodes of a run"),
-    "down": ("launch.__main__", "main", "delete everything a run created"),
-    "cost": ("launch.__main__", "main", "spot prices now; a finished run's cost"),
+              "train here: alone, or as the program torchrun, horovodrun, mpirun or srun "
+              "starts (Hydra overrides)"),
+    **{step: ("launch.__main__", "main", summary) for step, summary in STEPS.items()},
     "bench": ("benchmarks.suite", "main",
               "measure throughput, scaling and allreduce bandwidth into a results folder"),
     "report": ("benchmarks.report", "main", "a results folder's report.md and plots"),
     "predict": ("benchmarks.predict", "main",
                 "predict img/s, time and cost for 1 to 256 nodes; the cheapest for a deadline"),
 }
-LAUNCH_STEPS = ("launch", "up", "run", "status", "down", "cost")
 
 
 def usage() -> str:
@@ -58,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module, function, _ = COMMANDS[name]
     entry: Callable = getattr(importlib.import_module(module), function)
-    if name in LAUNCH_STEPS:
+    if name in STEPS:
         return entry([name, *rest], prog="spotring")
     if name == "train":
         # Hydra reads the command line itself.

@@ -65,7 +65,7 @@ def test_an_unknown_torchvision_model_is_caught_with_a_suggestion():
 
 
 @pytest.mark.parametrize("override", [
-    "train.batch_size=0", "train.epochs=-1", "train.accumulation=0", "optim.lr=0.0",
+    "train.batch_size=0", "train.epochs=-0.5", "train.accumulation=0", "optim.lr=0.0",
     "optim.reference_batch=0", "train.max_steps=0", "engine.timeout_s=0.0",
     "train.eval_samples=0", "checkpoint.keep=0", "dataset=synthetic dataset.train_size=0",
 ])

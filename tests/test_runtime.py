@@ -1,4 +1,5 @@
-"""Launch-environment detection: each launcher's variables, and none; the allocator setting."""
+"""Launch-environment detection: each launcher's variables, and none; the allocator
+setting; what train.precision=auto resolves to."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from trainer.runtime import Launch, detect
+from trainer.runtime import Launch, detect, pick_precision
 
 CASES = {
     "torchrun": ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
@@ -70,3 +72,22 @@ def test_freed_activations_stay_in_the_process(mode):
         assert (mmapped, int(returned)) == ("False", 0)
     else:
         assert mmapped == "True"
+
+
+@pytest.mark.parametrize("capabilities, expected", [
+    ({"avx512_bf16": True, "amx_bf16": False}, "bf16"),
+    ({"avx512_bf16": False, "amx_bf16": True}, "bf16"),
+    ({"avx512_bf16": False, "amx_bf16": False}, "fp32"),  # bf16 only emulated: slower
+])
+def test_auto_precision_is_bf16_only_where_the_cpu_computes_in_bf16(monkeypatch, capabilities,
+                                                                    expected):
+    # The CPU's capabilities are faked: no one machine has all three kinds of CPU.
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
+    assert pick_precision("auto", torch.device("cpu"), "float32") == expected
+
+
+def test_float64_runs_and_explicit_choices_keep_their_precision():
+    cpu = torch.device("cpu")
+    assert pick_precision("auto", cpu, "float64") == "fp32"
+    assert [pick_precision(p, cpu, "float32") for p in ("fp32", "bf16", "fp16")] == [
+        "fp32", "bf16", "fp16"]

@@ -45,7 +45,10 @@ def _hydra_main(cfg: DictConfig) -> None:
 def check_overrides(argv: list[str]) -> None:
     """Compose the config of every run the command line asks for, so that a bad group
     option (dataset=imagenet), key or type (optim.lr=abc) is a ConfigError (exit 2) here,
-    where Hydra itself would exit 1. A sweep (-m a=1,2) is checked one value at a time."""
+    where Hydra itself would exit 1, and validate it, so that a bad value or combination
+    (train.precision=bf16 train.dtype=float64) stops the run before Hydra makes its run
+    directory. A sweep (-m a=1,2) is checked one value at a time. `--cfg` only prints the
+    composed config, so that is composed but not validated."""
     args = get_args_parser().parse_args(argv)
     if args.help or args.hydra_help or args.info or args.shell_completion \
             or args.config_path or args.config_name or args.config_dir:
@@ -54,15 +57,25 @@ def check_overrides(argv: list[str]) -> None:
         parsed = OverridesParser.create().parse_overrides(args.overrides)
     except HydraException as e:
         raise config.ConfigError(f"{e}") from e
+
+    def check(overrides: list[str]) -> None:
+        cfg = config.compose(overrides)
+        if not args.cfg:
+            config.validate(cfg)
+
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
-    config.compose(fixed)
-    for sweep in (o for o in parsed if o.is_sweep_override()):
+    sweeps = [o for o in parsed if o.is_sweep_override()]
+    if not sweeps:
+        check(fixed)
+    else:
+        config.compose(fixed)  # a bad fixed override is named once, not per value
+    for sweep in sweeps:
         try:
             values = list(sweep.sweep_string_iterator())
         except HydraException:
             continue  # an interval or other range for a search: the sweeper samples it
         for value in values:
-            config.compose([*fixed, f"{sweep.get_key_element()}={value}"])
+            check([*fixed, f"{sweep.get_key_element()}={value}"])
 
 
 def main() -> None:

@@ -56,6 +56,7 @@ Compression = _choices("Compression", "none fp16")
 ReduceOp = _choices("ReduceOp", "average adasum")
 Device = _choices("Device", "auto cpu cuda")
 DType = _choices("DType", "float32 float64")
+Precision = _choices("Precision", "auto fp32 bf16 fp16")
 
 # ----------------------------------------------------------------------------- schemas
 
@@ -168,7 +169,8 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    epochs: int = 2
+    # Fractions stop mid-epoch: 0.5 trains on half of a (shuffled) epoch.
+    epochs: float = 2
     max_steps: int | None = None  # stop after this many optimizer steps (tests, benchmarks)
     batch_size: int = 64  # per worker and micro-step
     accumulation: int = 1  # micro-steps per optimizer step
@@ -183,6 +185,14 @@ class TrainConfig:
     # runs that must match (N workers vs 1, engine vs engine) match to 1e-10.
     dtype: DType = DType.float32
     threads: int | None = None  # torch threads per worker; default: cores / local workers
+    # The GPU paths (docs/gpu.md). bf16, fp16: the forward pass and the loss under
+    # torch.autocast (parameters, gradients and their allreduce stay float32); fp16 with
+    # a gradient scaler, on GPUs only.
+    # auto: bf16 where the device computes in bfloat16 natively, else fp32
+    # (runtime.pick_precision).
+    precision: Precision = Precision.auto
+    channels_last: bool = False  # the model and its image batches in NHWC memory order
+    compile: bool = False  # torch.compile; compile_seconds in summary.json
 
 
 @dataclass
@@ -364,6 +374,7 @@ def validate(cfg: DictConfig) -> None:
              f"checkpoint.uri={cfg.checkpoint.uri}: expected s3://bucket/prefix")
     need(cfg.resume in ("auto", "never") or str(cfg.resume).endswith(".pt"),
          f"resume={cfg.resume}: must be auto, never, or the path of a checkpoint (.pt) file")
+    problems += gpu_path_problems(cfg)
 
     if problems:
         raise ConfigError(
@@ -371,6 +382,65 @@ def validate(cfg: DictConfig) -> None:
             + "\nSee the groups under conf/ or print the composed config with "
             "`spotring train --cfg job`."
         )
+
+
+def gpu_path_problems(cfg: DictConfig) -> list[str]:
+    """What train.precision and train.compile cannot do with train.dtype, the engine and
+    the device the run will get (the CPU for train.device=cpu, or auto where torch sees
+    no GPU, as runtime.pick_device decides). channels_last needs 4-D input, and every
+    dataset here gives C x H x W images, so it is never refused."""
+    train, problems = cfg.train, []
+    if train.precision in ("bf16", "fp16") and train.dtype == "float64":
+        problems.append(
+            f"train.precision={train.precision} with train.dtype=float64: autocast would "
+            "compute in less than the float64 the run asks for; valid with float64: fp32 "
+            "(or train.dtype=float32)")
+    if train.precision != "fp16" and not train.compile:
+        return problems
+    import torch  # only for these two options: the rest of validate needs no torch
+
+    on_cpu = train.device == "cpu" or (train.device == "auto" and not torch.cuda.is_available())
+    if train.precision == "fp16" and on_cpu:
+        problems.append(
+            f"train.precision=fp16 on the CPU (train.device={train.device}"
+            f"{'' if train.device == 'cpu' else ', and torch sees no GPU'}): float16 with a "
+            "gradient scaler is a GPU path; valid on the CPU: fp32, bf16")
+    if train.compile:
+        why = compile_unavailable(on_cpu)
+        if why:
+            problems.append(f"train.compile=true: {why}; valid here: train.compile=false")
+        if cfg.engine.name == "ddp" and cfg.engine.bucket_mb < 1:
+            problems.append(
+                f"engine.bucket_mb={cfg.engine.bucket_mb} with train.compile=true: DDP's "
+                "first bucket holds 1 MB, and torch.compile's DDPOptimizer refuses later "
+                "buckets smaller than that; valid with compile: 1 or more")
+    return problems
+
+
+def compile_unavailable(on_cpu: bool) -> str | None:
+    """Why torch.compile (its default backend, inductor) cannot run here, or None."""
+    import torch._dynamo
+
+    try:
+        torch._dynamo.eval_frame.check_if_dynamo_supported()
+    except Exception as e:
+        return f"torch.compile does not run on this platform ({e})"
+    if on_cpu:
+        from torch._inductor import config as inductor_config
+        from torch._inductor import cpp_builder
+
+        try:  # the search inductor itself makes: $CXX, else g++
+            cpp_builder.get_cpp_compiler()
+        except RuntimeError:
+            names = ", ".join(c for c in inductor_config.cpp.cxx if c)
+            return (f"inductor compiles C++ for the CPU and finds no C++ compiler here "
+                    f"(looked for {names}; set CXX or install g++)")
+    else:
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return "inductor needs Triton for GPU kernels, and it is not installed"
+    return None
 
 
 def global_batch(cfg: DictConfig, world_size: int) -> int:

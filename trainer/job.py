@@ -87,6 +87,7 @@ def _prepare(cfg: DictConfig, launch: runtime.Launch):
 
         require_horovod(cfg.engine, launch)
     device = runtime.pick_device(cfg.train.device, launch.local_rank)
+    cfg.train.precision = runtime.pick_precision(cfg.train.precision, device, cfg.train.dtype)
     if cfg.engine.backend == "mpi" and (launch.launcher != "mpi" or device.type == "cuda"):
         raise ConfigError(
             f"engine.backend=mpi averages gradients over MPI on CPUs: start the job with "
@@ -158,16 +159,19 @@ def _report(cfg: DictConfig, summary: dict[str, Any], checkpoints: Checkpoints) 
     }
     write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
     log_file = run_dir / f"{HydraConfig.get().job.name}.log"
+    compiling = (f"{summary['compile_seconds']:.1f} s compiling (first steps, not counted), "
+                 if summary["compile"] else "")
     print(
         f"\nspotring: {cfg.model.name} on {cfg.dataset.name}: test accuracy "
         f"{100 * summary['test_accuracy']:.2f}% (loss {summary['test_loss']:.4f}) "
         f"after {summary['epochs']:.2f} epochs, {summary['steps']} steps\n"
-        f"  time        {summary['train_seconds']:.1f} s training, "
+        f"  time        {summary['train_seconds']:.1f} s training, {compiling}"
         f"{summary['images_per_second']:.0f} img/s "
         f"({summary['images_per_second_per_worker']:.0f} per worker)\n"
         f"  workers     {summary['world_size']} x batch {cfg.train.batch_size} x "
         f"{cfg.train.accumulation} accumulation = {summary['global_batch']}, "
-        f"engine {summary['engine']} ({summary['backend']}), final LR {summary['final_lr']:.4g}\n"
+        f"engine {summary['engine']} ({summary['backend']}), {summary['precision']}, "
+        f"final LR {summary['final_lr']:.4g}\n"
         f"  logs        {log_file if log_file.exists() else run_dir}, {summary['metrics']}\n"
         f"  tensorboard {summary['tensorboard']}  (tensorboard --logdir {summary['tensorboard']})\n"
         f"  checkpoints {summary['checkpoints']}\n"

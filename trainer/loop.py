@@ -5,11 +5,13 @@ Every optimizer step:
     lr = schedule(step)                        linear scaling + warmup + decay
     for each of K micro-batches:               this rank's slice of the global batch
         loss = criterion(model(x), y) / K      (x engine.loss_scale: 1, or 1/W where
-                                               the engine's allreduce sums)
-        loss.backward()                        all but the last inside engine.no_sync:
+                                               the engine's allreduce sums; under
+                                               autocast for train.precision=bf16|fp16)
+        scaler.scale(loss).backward()          all but the last inside engine.no_sync:
                                                the allreduce runs once per step
-    optimizer.step()                           gradients are the average over all
+    engine.step(optimizer, scaler)             gradients are the average over all
                                                G = B x W x K samples of the global batch
+                                               (the scaler: fp16 only; else a no-op)
     every log_every steps: metrics summed over ranks, logged by rank 0
     every checkpoint.every_steps and at each epoch end: checkpoint (rank 0 writes)
     every step: the ranks vote on spot notices; on one, checkpoint and stop (exit 75)
@@ -32,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer import runtime
 from trainer.checkpoint import Checkpoints
-from trainer.config import DType, global_batch
+from trainer.config import DType, Precision, global_batch
 from trainer.data import Batch, Batches
 from trainer.datasets import Dataset
 from trainer.engines import Engine
@@ -44,6 +46,7 @@ from trainer.telemetry import Telemetry
 log = logging.getLogger(__name__)
 
 DTYPES = {DType.float32: torch.float32, DType.float64: torch.float64}
+AUTOCAST = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 
 
 @dataclass
@@ -80,6 +83,17 @@ class Stopwatch:
         self.start()
         return self.total
 
+    def add(self, seconds: float) -> None:
+        """Count a stretch timed apart (a step that turned out not to compile)."""
+        self.total += seconds
+
+
+def compiled_graphs() -> int:
+    """How many graphs torch.compile has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
 
 def _every(step: int, interval: int) -> bool:
     return interval > 0 and step % interval == 0
@@ -98,7 +112,7 @@ class Trainer:
             dtype=DTYPES[cfg.train.dtype],
         )
         self.schedule = LRSchedule.from_config(cfg, self.global_batch, self.batches.steps_per_epoch)
-        self.total_steps = cfg.train.epochs * self.batches.steps_per_epoch
+        self.total_steps = self.schedule.total_steps
         if cfg.train.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.train.max_steps)
 
@@ -106,15 +120,38 @@ class Trainer:
         runtime.seed_all(cfg.train.seed)
         model = build_model(cfg.model, dataset.shape, dataset.num_classes).to(
             engine.device, DTYPES[cfg.train.dtype])
+        # NHWC: the 4-D weights (convolutions) here, unless the engine's collectives
+        # need them contiguous, and each image batch as it is used.
+        self.memory_format = (torch.channels_last if cfg.train.channels_last
+                              else torch.contiguous_format)
+        if cfg.train.channels_last and not engine.contiguous_only:
+            model = model.to(memory_format=torch.channels_last)
         optimizer = build_optimizer(cfg.optim, model.parameters())
+        # fp16 only: float16 gradients underflow without a loss scale. The allreduce
+        # averages the scaled float32 gradients; engine.step unscales them.
+        self.scaler = torch.amp.GradScaler(engine.device.type,
+                                           enabled=cfg.train.precision == Precision.fp16)
         self.position = Position()
         self.resumed_from = None
         if resume is not None:
             self._restore(resume, model, optimizer)
         else:
             runtime.seed_all(hash((cfg.train.seed, engine.rank)))  # per-rank randomness
+        # The plain module: checkpoints hold its state (no "_orig_mod." or "module."
+        # prefixes), so compiled and plain runs resume each other; evaluation runs it.
+        self.raw_model = model
+        if cfg.train.compile:
+            # Compiled before DDP wraps it: the compiled module then runs inside DDP's
+            # forward, where torch.compile's DDPOptimizer splits the graph at DDP's
+            # gradient buckets, so the allreduce still overlaps backward. (Compiling the
+            # DDP wrapper instead, as PyTorch's notes suggest, compiles nothing of a
+            # torch.nn.Sequential in torch 2.14: dynamo skips torch.nn's own forward
+            # frames after the graph break in DDP's forward.) Horovod's hooks sit on the
+            # parameters, which the compiled module shares.
+            model = torch.compile(model)
+        self._compiling = bool(cfg.train.compile)  # until a step compiles nothing
         self.model, self.optimizer = engine.prepare(model, optimizer, cfg.train.accumulation)
-        self.raw_model = getattr(self.model, "module", self.model)  # unwrapped (DDP)
+        self.compile_seconds, self.compile_steps = 0.0, 0
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
         self.telemetry = Telemetry(run_dir, engine.rank == 0, cfg.telemetry.progress,
                                    self.total_steps, self.position.step)
@@ -136,21 +173,26 @@ class Trainer:
 
     def _fit(self, preemption: Preemption) -> dict[str, Any]:
         pos, cfg = self.position, self.cfg
-        start_step, last_log = pos.step, (pos.step, 0.0)
+        start_step, last_log = pos.step, (self._timed_steps(), 0.0)
         saved_at = evaluated_at = None
         lr = self.schedule(pos.step)
         log.info("training %s on %s: %d workers x batch %d x %d accumulation = global batch "
-                 "%d, %d steps per epoch, LR %.4g -> %.4g (x%.3g, linear scaling rule)",
+                 "%d, %d steps per epoch, LR %.4g -> %.4g (x%.3g, linear scaling rule); "
+                 "precision %s, channels_last %s, compile %s",
                  cfg.model.name, cfg.dataset.name, self.world_size, cfg.train.batch_size,
                  cfg.train.accumulation, self.global_batch, self.batches.steps_per_epoch,
                  self.schedule.base_lr, self.schedule.peak_lr,
-                 self.global_batch / cfg.optim.reference_batch)
+                 self.global_batch / cfg.optim.reference_batch, cfg.train.precision,
+                 str(cfg.train.channels_last).lower(), str(cfg.train.compile).lower())
         while pos.epoch < cfg.train.epochs and pos.step < self.total_steps:
-            epoch_start = (pos.step, self.stopwatch.total)
+            epoch_start = (self._timed_steps(), self.stopwatch.total)
             for batch in self.batches.train(pos.epoch, pos.offset):
                 self.stopwatch.start()
                 lr = self.schedule.apply(self.optimizer, pos.step)
-                self._train_step(batch)
+                if self._compiling:
+                    self._compiling_step(batch)
+                else:
+                    self._train_step(batch)
                 pos.step, pos.offset = pos.step + 1, batch.offset
                 self.telemetry.step(pos.step, lr)
                 if _every(pos.step, cfg.telemetry.log_every):
@@ -168,7 +210,8 @@ class Trainer:
                     break
             self.stopwatch.pause()
             if self.batches.steps_left(pos.offset) == 0:  # the epoch is complete
-                steps, seconds = pos.step - epoch_start[0], self.stopwatch.total - epoch_start[1]
+                steps = self._timed_steps() - epoch_start[0]
+                seconds = self.stopwatch.total - epoch_start[1]
                 self.telemetry.epoch(pos.step, pos.epoch, seconds,
                                      steps * self.global_batch / max(seconds, 1e-9))
                 pos.epoch, pos.offset = pos.epoch + 1, 0
@@ -183,7 +226,7 @@ class Trainer:
         steps = pos.step - start_step
         seconds = self.stopwatch.total
         # A run resumed at its last step trains for no time.
-        images_per_second = steps * self.global_batch / max(seconds, 1e-9)
+        images_per_second = (steps - self.compile_steps) * self.global_batch / max(seconds, 1e-9)
         return {
             "test_accuracy": test["accuracy"],
             "test_loss": test["loss"],
@@ -204,22 +247,64 @@ class Trainer:
             "dataset": cfg.dataset.name,
             "model": cfg.model.name,
             "resumed_from": self.resumed_from,
+            "precision": str(cfg.train.precision),
+            "channels_last": cfg.train.channels_last,
+            "compile": cfg.train.compile,
+            "compile_seconds": self.compile_seconds,
+            "compile_steps": self.compile_steps,
         }
+
+    def _timed_steps(self) -> int:
+        """Steps whose time the stopwatch holds: all but those that compiled."""
+        return self.position.step - self.compile_steps
+
+    def _compiling_step(self, batch: Batch) -> None:
+        """A training step while torch.compile may still compile, timed on its own.
+
+        compile_seconds is the whole wall time (the GPU waited for) of each step of this
+        run, from the first on, in which torch.compile compiled a graph: tracing and
+        compiling forward and backward, and that step's own computation, allreduce and
+        optimizer step. Those steps are left out of train_seconds and of every img/s.
+        The first step that compiles nothing counts as training, and from then on steps
+        are not timed apart (a later recompilation would count as training time).
+        Evaluation runs the module uncompiled.
+        """
+        self.stopwatch.pause()
+        graphs = compiled_graphs()
+        started = time.perf_counter()
+        self._train_step(batch)
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)
+        seconds = time.perf_counter() - started
+        if compiled_graphs() > graphs:
+            self.compile_seconds += seconds
+            self.compile_steps += 1
+        else:
+            self.stopwatch.add(seconds)
+            self._compiling = False
+        self.stopwatch.start()
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        precision = self.cfg.train.precision
+        if precision == Precision.fp32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.engine.device.type, dtype=AUTOCAST[precision])
 
     def _train_step(self, batch: Batch) -> None:
         k = len(batch.micro)
         for i, (x, y) in enumerate(batch.micro):
             sync = i == k - 1  # only the last micro-step's backward runs the allreduce
             with contextlib.nullcontext() if sync else self.engine.no_sync(self.model):
-                logits = self.model(x)
-                loss = self.criterion(logits, y)
+                with self._autocast():  # the loss comes out float32 either way
+                    logits = self.model(x.contiguous(memory_format=self.memory_format))
+                    loss = self.criterion(logits, y)
                 with torch.no_grad():
                     self._sums += torch.stack([loss * len(y), (logits.argmax(1) == y).sum(),
                                                torch.tensor(len(y), device=y.device)])
                 if self.cfg.model.l1:
                     loss = loss + self.cfg.model.l1 * l1_penalty(self.raw_model)
-                (loss * (self.engine.loss_scale / k)).backward()
-        self.optimizer.step()
+                self.scaler.scale(loss * (self.engine.loss_scale / k)).backward()
+        self.engine.step(self.optimizer, self.scaler)
         self.optimizer.zero_grad()  # sets grads to None (torch >= 2.0)
 
     def _log_interval(self, last: tuple[int, float], lr: float) -> tuple[int, float]:
@@ -227,11 +312,11 @@ class Trainer:
         sums = self.engine.all_reduce_sum(self._sums, "train_metrics").tolist()
         self._sums.zero_()
         now = self.stopwatch.read()
-        step = self.position.step
-        rate = (step - last[0]) * self.global_batch / max(now - last[1], 1e-9)
+        step, timed = self.position.step, self._timed_steps()
+        rate = (timed - last[0]) * self.global_batch / max(now - last[1], 1e-9)
         self.telemetry.train(step, self.position.epoch, lr, sums[0] / sums[2], sums[1] / sums[2],
                              rate)
-        return step, now
+        return timed, now
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -242,8 +327,9 @@ class Trainer:
         sums = torch.zeros(3, device=self.engine.device, dtype=torch.float64)
         for x, y in self.batches.test(self.cfg.train.eval_batch_size,
                                       self.cfg.train.eval_samples):
-            logits = self.raw_model(x)
-            sums += torch.stack([F.cross_entropy(logits, y, reduction="sum"),
+            with self._autocast():
+                logits = self.raw_model(x.contiguous(memory_format=self.memory_format))
+            sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum"),
                                  (logits.argmax(1) == y).sum(),
                                  torch.tensor(len(y), device=y.device)])
         self.raw_model.train()
@@ -264,6 +350,7 @@ class Trainer:
             state = {
                 "model": self.raw_model.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict(),  # {} unless train.precision=fp16
                 "position": asdict(pos),
                 "global_batch": self.global_batch,
                 "schedule": {"step": pos.step, "peak_lr": self.schedule.peak_lr},
@@ -287,6 +374,8 @@ class Trainer:
                  optimizer: torch.optim.Optimizer) -> None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        if self.scaler.is_enabled() and state.get("scaler"):  # fp16 then and now
+            self.scaler.load_state_dict(state["scaler"])
         self.position = Position(**state["position"])
         self.resumed_from = state.get("source")
         rngs = state["rng"]

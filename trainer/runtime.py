@@ -91,6 +91,22 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
     return device
 
 
+def pick_precision(preference: str, device: torch.device, dtype: str) -> str:
+    """train.precision=auto: bf16 where ``device`` computes in bfloat16 natively (GPUs
+    from Ampere on; CPUs with AVX512-BF16 or AMX), else fp32; always fp32 for a float64
+    run. Where bf16 is emulated it is slower than fp32, so auto does not choose it."""
+    if preference != "auto":
+        return preference
+    if dtype == "float64":
+        return "fp32"
+    if device.type == "cuda":
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+    else:
+        capabilities = torch.cpu.get_capabilities()
+        native = capabilities.get("avx512_bf16") or capabilities.get("amx_bf16")
+    return "bf16" if native else "fp32"
+
+
 def set_threads(threads: int | None, local_world_size: int) -> int:
     """Split this machine's cores between its workers unless told otherwise."""
     if threads is None:

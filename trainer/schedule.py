@@ -5,7 +5,7 @@ Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour":
 multiply the batch by k, multiply the learning rate by k; start at the small-batch
 rate and raise it by a constant amount every iteration until it reaches k times
 that rate after a few epochs. With t the optimizer step (0-based), E the steps per
-epoch and T = train.epochs * E:
+epoch and T = round(train.epochs * E) (at least 1):
 
     k      = global_batch / optim.reference_batch
     peak   = optim.lr * k
@@ -62,7 +62,7 @@ class LRSchedule:
             base_lr=min(cfg.optim.lr, peak),
             peak_lr=peak,
             warmup_steps=cfg.schedule.warmup_epochs * steps_per_epoch,
-            total_steps=cfg.train.epochs * steps_per_epoch,
+            total_steps=max(1, round(cfg.train.epochs * steps_per_epoch)),
             steps_per_epoch=steps_per_epoch,
             decay=cfg.schedule.decay,
             milestones=tuple(sorted(cfg.schedule.milestones)),

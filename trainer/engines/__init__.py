@@ -3,7 +3,8 @@
     engine = create(cfg.engine, launch, device)   # joins the process group
     model, optimizer = engine.prepare(model, optimizer, accumulation)
     with engine.no_sync(model): ...backward...    # micro-steps before the last
-    optimizer.step()                              # gradients are averaged by now
+    engine.step(optimizer, scaler)                # gradients are averaged by now; the
+                                                  # fp16 scaler unscales them first
     engine.all_reduce_sum(metrics, "metrics")     # numbers for the logs
     wait = engine.start_sum(votes, "preemption")  # the same, waited for a step later
 

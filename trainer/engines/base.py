@@ -24,11 +24,22 @@ class Engine(abc.ABC):
     # instead of averaging them sets 1 / world_size: one scalar division per
     # micro-step instead of one per gradient value (Horovod's prescale_factor).
     loss_scale: float = 1.0
+    # The engine's collectives take contiguous tensors only (Horovod's do): with
+    # train.channels_last the parameters then stay contiguous, and only the batches are
+    # NHWC; convolutions still run NHWC when their input is.
+    contiguous_only: bool = False
 
     @abc.abstractmethod
     def prepare(self, model: nn.Module, optimizer: Optimizer,
                 accumulation: int) -> tuple[nn.Module, Optimizer]:
         """Make every rank start from rank 0's state and average gradients from now on."""
+
+    def step(self, optimizer: Optimizer, scaler: torch.amp.GradScaler) -> None:
+        """optimizer.step() on the averaged gradients. With train.precision=fp16 the
+        scaler is enabled: it unscales them, skips the step where they overflowed, and
+        adapts its scale; disabled, it just calls optimizer.step()."""
+        scaler.step(optimizer)
+        scaler.update()
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Around the backward passes that only accumulate (all but the last micro-step)."""

@@ -45,6 +45,7 @@ def require_horovod(cfg: DictConfig, launch: Launch) -> None:
 
 class HorovodEngine(Engine):
     name = "horovod"
+    contiguous_only = True  # its broadcasts and allreduces refuse channels_last tensors
 
     def __init__(self, cfg: DictConfig, launch: Launch, device: torch.device) -> None:
         import horovod.torch as hvd
@@ -89,6 +90,19 @@ class HorovodEngine(Engine):
             backward_passes_per_step=accumulation,
         )
         return model, optimizer
+
+    def step(self, optimizer: Optimizer, scaler: torch.amp.GradScaler) -> None:
+        if not scaler.is_enabled():
+            optimizer.step()
+            return
+        # The scaler must see the averaged gradients, which exist only once the
+        # allreduce finished: Horovod's documented pattern for anything that reads
+        # gradients between backward and step (docs/gpu.md).
+        optimizer.synchronize()
+        scaler.unscale_(optimizer)
+        with optimizer.skip_synchronize():
+            scaler.step(optimizer)
+        scaler.update()
 
     def all_reduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         return self.hvd.allreduce_(tensor, op=self.hvd.Sum, name=f"spotring.{name}")

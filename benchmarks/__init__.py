@@ -10,6 +10,8 @@ run the same.) The method and the model: docs/benchmarks.md. The modules:
     throughput.py   img/s for worker counts x engines x batch sizes; speedup, efficiency
     allreduce.py    algbw and busbw against message size per transport (nccl-tests)
     batch_sizes.py  img/s per model and batch size of one worker (the Chameleon talk's table)
+    time_to_accuracy.py  training seconds to 99% test accuracy per worker count, beside
+                    reference_loop.py (a fixed MNIST recipe, never tuned)
     predict.py      spotring predict: the alpha-beta model, 1 to 256 nodes, time and cost
     report.py       spotring report: results.json -> report.md, with plots.py's PNGs
 

@@ -1,6 +1,7 @@
 """A plain PyTorch MNIST loop: the baseline the trainer's throughput is measured against.
 
-The trainer's default job with nothing around it: the same network, per-worker batch,
+The trainer's throughput job (model=convnet in float32, benchmarks.runs.MNIST) with
+nothing around it: the same network, per-worker batch,
 MNIST read by the trainer's own reader into memory, SGD with Nesterov momentum, weight
 decay and label smoothing, but no config system, LR schedule, checkpoints, telemetry,
 spot-notice vote or world-size-invariant order. Under torchrun it is DDP on Gloo with the
@@ -38,12 +39,18 @@ def network() -> nn.Module:
     )
 
 
-def mnist_train() -> tuple[torch.Tensor, torch.Tensor]:
-    """MNIST's training images, normalized as the trainer does, and labels."""
+def mnist() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """MNIST's "train" and "test" images, normalized as the trainer does, and labels."""
     cfg = compose(["dataset=mnist"])
     data = datasets.load(cfg.dataset, cfg.data, cfg.train.seed)
     mean, std = data.mean[0], data.std[0]
-    return (data.train.images.float() / 255 - mean) / std, data.train.labels
+    return {name: ((split.images.float() / 255 - mean) / std, split.labels)
+            for name, split in (("train", data.train), ("test", data.test))}
+
+
+def mnist_train() -> tuple[torch.Tensor, torch.Tensor]:
+    """MNIST's training images, normalized as the trainer does, and labels."""
+    return mnist()["train"]
 
 
 def main() -> None:

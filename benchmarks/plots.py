@@ -5,6 +5,7 @@
     allreduce.png    bus bandwidth against message size, per transport
     batch_sizes.png  img/s against batch size, per model
     prediction.png   the predictor against the published figures
+    time_to_accuracy.png  test accuracy against training seconds, per configuration and seed
 
 Error bars are the 95% confidence intervals of the tables.
 """
@@ -124,6 +125,25 @@ def prediction(section: dict, path: Path) -> None:
     _save(fig, path)
 
 
+def time_to_accuracy(section: dict, path: Path) -> None:
+    """One line per run, one colour per configuration; zoomed to the last few percent."""
+    target = section["target"]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    colours = {row["label"]: f"C{i}" for i, row in enumerate(section["rows"])}
+    for run in section["runs"]:
+        first = run["seed"] == section["seeds"][0]
+        ax.plot([p[1] for p in run["curve"]], [p[2] for p in run["curve"]], marker=".",
+                color=colours[run["label"]], alpha=0.8, linewidth=1,
+                label=run["label"] if first else None)
+    ax.axhline(target, color="grey", linestyle=":", label=f"target {100 * target:.2f}%")
+    ax.set_ylim(max(0.0, min(0.97, target - 0.02)), 1.0)
+    ax.set(xlabel="training seconds (evaluation excluded)", ylabel="test accuracy",
+           title=f"Time to accuracy, seeds {', '.join(map(str, section['seeds']))}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    _save(fig, path)
+
+
 def draw(r: dict, folder: Path) -> None:
     """Every plot whose section results.json ``r`` has, into ``folder``."""
     if "throughput" in r:
@@ -137,3 +157,5 @@ def draw(r: dict, folder: Path) -> None:
         batch_sizes(r["batch_sizes"], folder / "batch_sizes.png")
     if "prediction" in r:
         prediction(r["prediction"], folder / "prediction.png")
+    if "time_to_accuracy" in r:
+        time_to_accuracy(r["time_to_accuracy"], folder / "time_to_accuracy.png")

@@ -2,7 +2,7 @@
 
     results.json   {"command", "started", "finished", "wall_seconds", "machine", and one
                     section per benchmark: "throughput", "allreduce", "batch_sizes",
-                    "prediction"}
+                    "time_to_accuracy", "prediction"}
     runs/          every measured run's own folder (metrics.jsonl, summary.json, log)
     report.md, *.png   written from results.json alone by `spotring report`
 

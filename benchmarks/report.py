@@ -164,8 +164,52 @@ def prediction(r: dict) -> str:
     return "\n\n".join(parts)
 
 
+def seconds(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.1f}"
+
+
+def time_to_accuracy(r: dict) -> str:
+    t = r["time_to_accuracy"]
+    seeds = t["seeds"]
+    rows = []
+    for row in t["rows"]:
+        mean = seconds(row["mean"])
+        if 0 < row["reached"] < len(row["seconds"]):
+            mean += f" ({row['reached']} of {len(row['seconds'])} seeds)"
+        rows.append([row["label"], str(row["global_batch"]), f"{row['peak_lr']:.4g}",
+                     str(row["steps"]), str(row["eval_every"]),
+                     ", ".join(map(seconds, row["seconds"])), mean, seconds(row["worst"]),
+                     f"{100 * row['final_accuracy']['mean']:.2f}%",
+                     f"{100 * row['final_accuracy']['worst']:.2f}%",
+                     DASH if row["ratio"] is None else f"{row['ratio']:.2f}",
+                     f"{row['train_seconds']['mean']:.1f}", f"{row['train_seconds']['worst']:.1f}",
+                     f"{row['run_ratio']:.2f}"])
+    target = f"{100 * t['target']:.2f}%"
+    capped = (f" Every run stopped after at most {t['max_steps']} steps (--max-steps)."
+              if t.get("max_steps") else "")
+    return "\n\n".join([
+        "## Time to accuracy",
+        f"Training seconds until the first evaluation on the full test set at or above "
+        f"{target} (nothing interpolated), evaluation and checkpoints excluded; about "
+        f"{t['evaluations']} evaluations per run, every `eval every` steps and at each epoch "
+        f"end; seeds {', '.join(map(str, seeds))}, the configurations interleaved per seed. "
+        "The trainer rows run its default config at each worker count (the global batch is "
+        "the per-worker batch x workers, the LR follows by the linear scaling rule); the "
+        "reference loop is benchmarks/reference_loop.py, fixed. mean: over the seeds that "
+        "reached the target; worst: `not reached` if any did not; `mean / reference`: over "
+        "the reference loop's mean. The last three columns: the whole run's training "
+        "seconds, evaluation excluded, and their mean over the reference loop's." + capped,
+        table(["configuration", "global batch", "peak LR", "steps", "eval every",
+               f"seconds to {target}, by seed", "mean", "worst",
+               "final accuracy (mean)", "final accuracy (worst)", "mean / reference",
+               "run s (mean)", "run s (worst)", "run / reference"], rows),
+        "![test accuracy against training seconds](time_to_accuracy.png)",
+        commands([run["command"] for run in t["runs"]]),
+    ])
+
+
 SECTIONS = {"throughput": throughput, "allreduce": allreduce, "batch_sizes": batch_sizes,
-            "prediction": prediction}
+            "time_to_accuracy": time_to_accuracy, "prediction": prediction}
 
 
 def render(folder: Path) -> Path:

@@ -76,7 +76,10 @@ class Workload:
     plain: bool = False  # benchmarks.plain_loop trains the same network on the same data
 
 
-MNIST = Workload("mnist convnet", plain=True)  # the default job; the plain loop copies it
+# model=convnet in float32: the network benchmarks.plain_loop trains too, so that the
+# throughput section compares the trainer with a plain loop of the same job.
+MNIST = Workload("mnist convnet", ("model=convnet", "train.precision=fp32",
+                                   "train.channels_last=false"), plain=True)
 
 
 def synthetic(model: str, shape: tuple[int, int, int], *model_args: str,
@@ -193,11 +196,16 @@ def intervals_of(program: str, run_dir: Path, stdout: str) -> list[tuple[int, fl
         (run_dir / "stdout.json").write_text(stdout)
         records = json_line(stdout, "intervals")["intervals"]
     else:
-        for heavy in ("checkpoints", "tensorboard"):
-            shutil.rmtree(run_dir / heavy, ignore_errors=True)
-        records = [r for r in map(json.loads, (run_dir / "metrics.jsonl").open())
-                   if r["kind"] == "train"]
+        records = trainer_records(run_dir, "train")
     return [(r["step"], r["images_per_second"]) for r in records]
+
+
+def trainer_records(run_dir: Path, kind: str) -> list[dict]:
+    """The records of ``kind`` (train, epoch, test) in a trainer run's metrics.jsonl. Its
+    checkpoints and TensorBoard files are deleted: they are not measurements."""
+    for heavy in ("checkpoints", "tensorboard"):
+        shutil.rmtree(run_dir / heavy, ignore_errors=True)
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").open()) if r["kind"] == kind]
 
 
 def measure(setup: Setup, workload: Workload, timing: Timing, run_dir: Path) -> Run:

@@ -4,6 +4,7 @@
     spotring bench                    # 3 repeats, batch 32/64/128, sizes x2 apart, the
                                       # batch-size table to 256 and ResNet-50
     spotring bench --workers 1 2 4 8 --model resnet20 --shape 3 32 32 --only throughput
+    spotring bench --only time_to_accuracy --quick --target 0.99
     spotring report                   # the newest run's report.md and plots
 
 (`make bench [QUICK=1]` and `python -m benchmarks.suite` run the same.) In order, into
@@ -15,6 +16,9 @@
     allreduce     benchmarks/allreduce.py: algbw and busbw per transport, 1 KiB to 64 MiB
                   and the model's gradient size, on as many ranks as the most workers
     batch_sizes   benchmarks/batch_sizes.py: img/s of one worker per model and batch size
+    time_to_accuracy  benchmarks/time_to_accuracy.py: training seconds to a test accuracy
+                  (--target, 0.99) of the trainer's default config per worker count, beside
+                  the fixed reference loop, over seeds (2 quick, 5 full)
     prediction    benchmarks/predict.py: the published figures, and every measured
                   multi-worker img/s predicted from the 1-worker img/s and the allreduce fit
 
@@ -28,7 +32,7 @@ import os
 import sys
 from dataclasses import replace
 
-from benchmarks import allreduce, batch_sizes, predict, record, throughput
+from benchmarks import allreduce, batch_sizes, predict, record, throughput, time_to_accuracy
 from benchmarks.runs import (
     ENGINES,
     MNIST,
@@ -40,11 +44,12 @@ from benchmarks.runs import (
 )
 
 QUICK = {"repeats": 1, "allreduce_repeats": 1, "timing": Timing(5, 10, 5), "batches": [64],
-         "size_factor": 4, "budget": 0.1, "table_batches": batch_sizes.QUICK_BATCHES}
+         "size_factor": 4, "budget": 0.1, "table_batches": batch_sizes.QUICK_BATCHES,
+         "seeds": 2}
 FULL = {"repeats": 3, "allreduce_repeats": 3, "timing": Timing(10, 20, 8),
         "batches": [32, 64, 128], "size_factor": 2, "budget": 0.3,
-        "table_batches": batch_sizes.FULL_BATCHES}
-SECTIONS = ("throughput", "allreduce", "batch_sizes")
+        "table_batches": batch_sizes.FULL_BATCHES, "seeds": 5}
+SECTIONS = ("throughput", "allreduce", "batch_sizes", "time_to_accuracy")
 TABLE_MODELS = [m for g in [*batch_sizes.GROUPS, batch_sizes.RESNET50] for m in g.models]
 
 
@@ -52,6 +57,13 @@ def _counts(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text}: must be 1 or more")
+    return value
+
+
+def _accuracy(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be a fraction in (0, 1], e.g. 0.99")
     return value
 
 
@@ -79,6 +91,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--table-models", nargs="+", choices=TABLE_MODELS,
                    help="models of the batch-size table (default: all)")
     p.add_argument("--table-batch-sizes", nargs="+", type=_counts)
+    p.add_argument("--target", type=_accuracy, default=time_to_accuracy.TARGET,
+                   help="time to accuracy: the test accuracy to reach (default 0.99)")
+    p.add_argument("--seeds", type=_counts, help="time to accuracy: seeds 0..N-1 of every "
+                   "configuration (default: 2 quick, 5 full)")
+    p.add_argument("--evaluations", type=_counts, default=time_to_accuracy.EVALUATIONS,
+                   help="time to accuracy: evaluations per run, about (default 15)")
+    p.add_argument("--max-steps", type=_counts,
+                   help="time to accuracy: stop every run after N steps (smoke tests)")
     return p
 
 
@@ -90,10 +110,16 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, in
         if missing:
             p.error(f"{option} {' '.join(missing)}: not on this host; it has "
                     f"{', '.join(there)} (Horovod's need `make horovod`, NCCL 2 GPUs)")
-    if "throughput" not in args.only:
-        return None
     from trainer.config import ConfigError
 
+    if "time_to_accuracy" in args.only:
+        try:
+            for n in args.workers:
+                time_to_accuracy.trainer_steps(n, args.max_steps)
+        except (ConfigError, ValueError) as e:
+            p.error(f"--only time_to_accuracy: {e}")
+    if "throughput" not in args.only:
+        return None
     try:
         return check_workload(_workload(args))
     except ConfigError as e:
@@ -130,6 +156,11 @@ def measure(args: argparse.Namespace, gradient: dict[str, int] | None, folder) -
         results["batch_sizes"] = batch_sizes.measure(
             [g for g in groups if g.models], args.table_batch_sizes or mode["table_batches"],
             os.cpu_count(), 1, folder)
+    if "time_to_accuracy" in args.only:
+        print("== time to accuracy", flush=True)
+        results["time_to_accuracy"] = time_to_accuracy.measure(
+            args.workers, list(range(args.seeds or mode["seeds"])), args.target,
+            args.max_steps, args.evaluations, folder)
     return results
 
 

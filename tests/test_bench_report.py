@@ -21,7 +21,8 @@ from tests.conftest import REPO
 REFERENCE = REPO / "benchmarks" / "results" / "reference"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PLOTS = {"throughput": ["throughput.png", "efficiency.png"], "allreduce": ["allreduce.png"],
-         "batch_sizes": ["batch_sizes.png"], "prediction": ["prediction.png"]}
+         "batch_sizes": ["batch_sizes.png"], "prediction": ["prediction.png"],
+         "time_to_accuracy": ["time_to_accuracy.png"]}
 NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")
 
 
@@ -89,7 +90,8 @@ def check_report(folder: Path) -> int:
 
     assert {t for t in parsed if t not in ("Machine", "Raw data")} == {
         {"throughput": "Throughput", "allreduce": "Allreduce", "batch_sizes": "Batch sizes",
-         "prediction": "Predictor"}[key] for key in PLOTS if key in results}
+         "prediction": "Predictor", "time_to_accuracy": "Time to accuracy"}[key]
+        for key in PLOTS if key in results}
     if "throughput" in results:
         (rows,) = parsed["Throughput"]
         assert len(rows) == len(results["throughput"]["rows"])
@@ -132,6 +134,32 @@ def check_report(folder: Path) -> int:
                 expect(row["predicted img/s"], j["predicted"])
                 expect(row["error"], 100 * j["error"])
                 expect(row["r1 img/s"], j["img_s_1"])
+    if "time_to_accuracy" in results:
+        (rows,) = parsed["Time to accuracy"]
+        assert [row["configuration"] for row in rows] == [
+            j["label"] for j in results["time_to_accuracy"]["rows"]]
+
+        def seconds(cell: str, value: float | None) -> None:
+            if value is None:
+                assert cell == "not reached", cell
+            else:
+                expect(cell, value)
+
+        for row, j in zip(rows, results["time_to_accuracy"]["rows"], strict=True):
+            by_seed = next(v for k, v in row.items() if k.startswith("seconds to "))
+            for cell, value in zip(by_seed.split(", "), j["seconds"], strict=True):
+                seconds(cell, value)
+            seconds(row["mean"], j["mean"])
+            seconds(row["worst"], j["worst"])
+            expect(row["final accuracy (mean)"], 100 * j["final_accuracy"]["mean"])
+            expect(row["final accuracy (worst)"], 100 * j["final_accuracy"]["worst"])
+            if j["ratio"] is None:
+                assert row["mean / reference"] == "-"
+            else:
+                expect(row["mean / reference"], j["ratio"])
+            expect(row["run s (mean)"], j["train_seconds"]["mean"])
+            expect(row["run s (worst)"], j["train_seconds"]["worst"])
+            expect(row["run / reference"], j["run_ratio"])
     return checked
 
 
@@ -198,6 +226,9 @@ def test_report_of_an_unknown_run_exits_2_naming_it():
     (["--workers", "0"], "0"),
     (["--engines", "nccl2"], "nccl2"),
     (["--only", "batch_sizes", "--table-models", "vgg"], "vgg"),
+    (["--only", "time_to_accuracy", "--target", "1.5"], "1.5"),
+    (["--only", "time_to_accuracy", "--target", "0"], "0"),
+    (["--only", "time_to_accuracy", "--seeds", "0"], "0"),
 ])
 def test_bad_bench_input_exits_2_before_anything_runs(tmp_path, args, named):
     out = bench("--quick", "--name", str(tmp_path / "run"), *args)
@@ -216,11 +247,12 @@ def test_every_command_has_help_under_its_spotring_name():
 @pytest.mark.slow
 def test_a_quick_benchmark_run_from_measurement_to_report(tmp_path):
     """`spotring bench --quick`, narrowed to the trainer and the plain loop over Gloo, the
-    Gloo and MPI allreduce, and one model of the batch-size table (about two minutes)."""
+    Gloo and MPI allreduce, and one model of the batch-size table (about two minutes; time
+    to accuracy has its own, tests/test_time_to_accuracy.py)."""
     run = tmp_path / "run"
-    out = bench("--quick", "--name", str(run), "--engines", "ddp", "plain", "--transports",
-                "gloo", "mpi", "--table-models", "lenet", "--table-batch-sizes", "32",
-                timeout=900)
+    out = bench("--quick", "--name", str(run), "--only", "throughput", "allreduce",
+                "batch_sizes", "--engines", "ddp", "plain", "--transports", "gloo", "mpi",
+                "--table-models", "lenet", "--table-batch-sizes", "32", timeout=900)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     assert re.search(r"\[\d+/4\] throughput ddp x 2, batch 64: \d+ ± \d+ img/s", out.stdout)
     assert report(str(run)).returncode == 0

@@ -23,8 +23,9 @@ from launch.commands import BIN, local_environment
 from tests.conftest import QUICK, REPO
 
 TIMEOUT_S = 6  # engine.timeout_s in these tests
+# Minutes of training unless a test ends it first: it outlives every kill and hang here.
 LONG_RUN = ["dataset=synthetic", "dataset.shape=[1,28,28]", "dataset.train_size=100000",
-            "train.batch_size=16", "train.threads=1", "telemetry.log_every=5",
+            "train.epochs=10", "train.batch_size=16", "train.threads=1", "telemetry.log_every=5",
             f"engine.timeout_s={TIMEOUT_S}", "telemetry.progress=true"]
 
 

@@ -58,14 +58,14 @@ def test_fp16_compression_stays_within_its_rounding(train, ddp_2x32):
     """Tolerance. fp16 keeps 11 significant bits, and Horovod rounds twice (each rank's
     gradient, then their fp16 sum), so one step's update is off by at most ~2^-10 of
     itself: that is checked after step 1 (measured: 0.03%). Over 20 steps early in
-    training the dynamics amplify such a perturbation, as they would any other (measured:
-    0.06% after 5 steps, 0.3% after 10, 1.06% after 20); 3% of the distance the weights
-    moved leaves room for run-to-run variation, while a broken compression (say, sums
-    not averaged) is off by about 100%. Uncompressed, the two engines agree to 1e-10
-    (the parity test)."""
+    training the dynamics amplify such a perturbation, as they would any other (measured
+    with the default model: 0.07% after 5 steps, 0.8% after 10, 3.6% after 20); 10% of
+    the distance the weights moved leaves room for run-to-run variation, while a broken
+    compression (say, sums not averaged) is off by about 100%. Uncompressed, the two
+    engines agree to 1e-10 (the parity test)."""
     fp16 = train("fp16", *STEPS, "engine=horovod", "engine.compression=fp16",
                  launcher="horovodrun", nproc=2)
-    for step, tolerance in [(1, 2**-10), (20, 0.03)]:
+    for step, tolerance in [(1, 2**-10), (20, 0.1)]:
         for name, ratio in distance_ratios(ddp_2x32.params(step), fp16.params(step)).items():
             assert 0 < ratio <= tolerance, (step, name, ratio)
 

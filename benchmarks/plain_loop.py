@@ -48,11 +48,6 @@ def mnist() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
             for name, split in (("train", data.train), ("test", data.test))}
 
 
-def mnist_train() -> tuple[torch.Tensor, torch.Tensor]:
-    """MNIST's training images, normalized as the trainer does, and labels."""
-    return mnist()["train"]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-size", type=int, default=64, help="per worker")
@@ -67,7 +62,7 @@ def main() -> None:
         dist.init_process_group("gloo")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    x_train, y_train = mnist_train()
+    x_train, y_train = mnist()["train"]
     model = network()
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model)

@@ -75,8 +75,9 @@ def evaluate(model: nn.Module, test: Split) -> float:
 
 def train(seed: int = 0, eval_every: int = 0, threads: int = 2, max_steps: int | None = None,
           data: dict[str, Split] | None = None) -> dict:
-    """One run of the recipe; ``data``: plain_loop.mnist()'s, loaded once by a caller that
-    runs several. ``max_steps`` stops early on the same LR schedule (tests)."""
+    """One run of the recipe on ``data`` (splits as plain_loop.mnist() gives them; read
+    from MNIST when not given, tests pass a small set). ``max_steps`` stops early on the
+    same LR schedule (tests)."""
     torch.set_num_threads(threads)
     data = data or mnist()
     (images, labels), test = data["train"], data["test"]

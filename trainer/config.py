@@ -187,9 +187,8 @@ class TrainConfig:
     threads: int | None = None  # torch threads per worker; default: cores / local workers
     # The GPU paths (docs/gpu.md). bf16, fp16: the forward pass and the loss under
     # torch.autocast (parameters, gradients and their allreduce stay float32); fp16 with
-    # a gradient scaler, on GPUs only.
-    # auto: bf16 where the device computes in bfloat16 natively, else fp32
-    # (runtime.pick_precision).
+    # a gradient scaler, on GPUs only; auto: bf16 where the device computes in bfloat16
+    # natively, else fp32 (runtime.pick_precision).
     precision: Precision = Precision.auto
     channels_last: bool = False  # the model and its image batches in NHWC memory order
     compile: bool = False  # torch.compile; compile_seconds in summary.json

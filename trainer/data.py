@@ -71,7 +71,8 @@ class Batches:
 
     def __init__(self, dataset: Dataset, *, global_batch: int, rank: int, world_size: int,
                  accumulation: int, seed: int, augment: bool, device: torch.device,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32,
+                 memory_format: torch.memory_format = torch.contiguous_format) -> None:
         if global_batch > len(dataset.train):
             raise ValueError(f"global batch {global_batch} is larger than the training set "
                              f"({len(dataset.train)} samples)")
@@ -79,6 +80,7 @@ class Batches:
         self.global_batch = global_batch
         self.rank, self.world_size, self.accumulation = rank, world_size, accumulation
         self.seed, self.augment, self.device = seed, augment, device
+        self.memory_format = memory_format  # of every image batch (train.channels_last)
         mean = torch.tensor(dataset.mean, device=device, dtype=dtype).view(1, -1, 1, 1)
         std = torch.tensor(dataset.std, device=device, dtype=dtype).view(1, -1, 1, 1)
         # uint8 -> normalised float in one multiply-add: x / 255 / std - mean / std.
@@ -131,7 +133,9 @@ class Batches:
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def _normalise(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.addcmul(self._shift, x.to(self._scale.dtype), self._scale)
+        # The float copy is made in the batch's memory format, and addcmul keeps it.
+        x = x.to(self._scale.dtype, memory_format=self.memory_format)
+        return torch.addcmul(self._shift, x, self._scale)
 
 
 def crop_and_flip(x: torch.Tensor, crops: torch.Tensor, flips: torch.Tensor) -> torch.Tensor:

@@ -110,6 +110,8 @@ class Trainer:
             world_size=engine.world_size, accumulation=cfg.train.accumulation,
             seed=cfg.train.seed, augment=cfg.dataset.augment, device=engine.device,
             dtype=DTYPES[cfg.train.dtype],
+            memory_format=torch.channels_last if cfg.train.channels_last
+            else torch.contiguous_format,
         )
         self.schedule = LRSchedule.from_config(cfg, self.global_batch, self.batches.steps_per_epoch)
         self.total_steps = self.schedule.total_steps
@@ -121,9 +123,7 @@ class Trainer:
         model = build_model(cfg.model, dataset.shape, dataset.num_classes).to(
             engine.device, DTYPES[cfg.train.dtype])
         # NHWC: the 4-D weights (convolutions) here, unless the engine's collectives
-        # need them contiguous, and each image batch as it is used.
-        self.memory_format = (torch.channels_last if cfg.train.channels_last
-                              else torch.contiguous_format)
+        # need them contiguous; the image batches come NHWC from self.batches.
         if cfg.train.channels_last and not engine.contiguous_only:
             model = model.to(memory_format=torch.channels_last)
         optimizer = build_optimizer(cfg.optim, model.parameters())
@@ -296,7 +296,7 @@ class Trainer:
             sync = i == k - 1  # only the last micro-step's backward runs the allreduce
             with contextlib.nullcontext() if sync else self.engine.no_sync(self.model):
                 with self._autocast():  # the loss comes out float32 either way
-                    logits = self.model(x.contiguous(memory_format=self.memory_format))
+                    logits = self.model(x)
                     loss = self.criterion(logits, y)
                 with torch.no_grad():
                     self._sums += torch.stack([loss * len(y), (logits.argmax(1) == y).sum(),
@@ -328,7 +328,7 @@ class Trainer:
         for x, y in self.batches.test(self.cfg.train.eval_batch_size,
                                       self.cfg.train.eval_samples):
             with self._autocast():
-                logits = self.raw_model(x.contiguous(memory_format=self.memory_format))
+                logits = self.raw_model(x)
             sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum"),
                                  (logits.argmax(1) == y).sum(),
                                  torch.tensor(len(y), device=y.device)])

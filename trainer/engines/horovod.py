@@ -92,12 +92,10 @@ class HorovodEngine(Engine):
         return model, optimizer
 
     def step(self, optimizer: Optimizer, scaler: torch.amp.GradScaler) -> None:
-        if not scaler.is_enabled():
-            optimizer.step()
-            return
         # The scaler must see the averaged gradients, which exist only once the
         # allreduce finished: Horovod's documented pattern for anything that reads
-        # gradients between backward and step (docs/gpu.md).
+        # gradients between backward and step (docs/gpu.md). A disabled scaler makes
+        # this optimizer.step(), which synchronizes the same way.
         optimizer.synchronize()
         scaler.unscale_(optimizer)
         with optimizer.skip_synchronize():

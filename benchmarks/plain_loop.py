@@ -17,6 +17,7 @@ Rank 0 prints one JSON line: img/s of every --log-every steps, timed like the tr
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -91,8 +92,12 @@ def main() -> None:
                           "world_size": world, "global_batch": global_batch,
                           "intervals": intervals}), flush=True)
     if world > 1:
+        dist.barrier()  # leave together: no rank closes while another still reduces
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    # Free DDP's reducer, which holds the Gloo group, before the interpreter finalizes:
+    # Gloo's threads may otherwise abort a run that succeeded (DDPEngine.shutdown says why).
+    gc.collect()

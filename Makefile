@@ -45,7 +45,7 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --upgrade -c constraints.txt -e '.[mpi,horovod,bench,test]'
+	$(BIN)/pip install --upgrade -c constraints.txt -e '.[mpi,horovod,bench,sweep,test]'
 	touch $@
 
 horovod: install

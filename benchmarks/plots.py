@@ -23,7 +23,7 @@ from benchmarks import predict  # noqa: E402
 from benchmarks.throughput import reference  # noqa: E402
 
 
-def _save(fig, path: Path) -> None:
+def save(fig, path: Path) -> None:
     """The PNG whole or not at all: drawn beside it, then renamed over it."""
     fig.tight_layout()
     part = path.with_name(path.name + ".part")
@@ -55,7 +55,7 @@ def throughput(section: dict, path: Path) -> None:
         ax.set_xticks(sorted({r["workers"] for r in at}))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    _save(fig, path)
+    save(fig, path)
 
 
 def efficiency(section: dict, path: Path) -> None:
@@ -67,7 +67,7 @@ def efficiency(section: dict, path: Path) -> None:
     ax.set_yticks(range(len(rows)), [f"{r['label']}, batch {r['batch']}" for r in rows],
                   fontsize=8)
     ax.set_xlabel("scaling efficiency against 1 worker")
-    _save(fig, path)
+    save(fig, path)
 
 
 def allreduce(section: dict, gradient_bytes: int | None, path: Path) -> None:
@@ -81,7 +81,7 @@ def allreduce(section: dict, gradient_bytes: int | None, path: Path) -> None:
            title=f"Allreduce bus bandwidth, {section['ranks']} ranks")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    _save(fig, path)
+    save(fig, path)
 
 
 def batch_sizes(section: dict, path: Path) -> None:
@@ -98,7 +98,7 @@ def batch_sizes(section: dict, path: Path) -> None:
     ax.set_xticks(batches, [str(b) for b in batches])
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    _save(fig, path)
+    save(fig, path)
 
 
 def prediction(section: dict, path: Path) -> None:
@@ -122,7 +122,7 @@ def prediction(section: dict, path: Path) -> None:
         ax.title.set_fontsize(8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    _save(fig, path)
+    save(fig, path)
 
 
 def time_to_accuracy(section: dict, path: Path) -> None:
@@ -141,7 +141,7 @@ def time_to_accuracy(section: dict, path: Path) -> None:
            title=f"Time to accuracy, seeds {', '.join(map(str, section['seeds']))}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
-    _save(fig, path)
+    save(fig, path)
 
 
 def draw(r: dict, folder: Path) -> None:

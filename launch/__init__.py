@@ -6,11 +6,14 @@ docstring is the runbook) composes the steps, each a module of its own:
     run.py         code over, the job, results back    rundir.py     runs/launch/<run id>/
     down.py        delete everything of a run          provider.py   Node and the Provider
     cost.py        prices, node-hours, $/epoch                       interface: aws/, local/
-    plan.py        --dry-run                           ssh.py, sync.py, hostfile.py,
+    plan.py        --dry-run                           clusters.py   the provider a config
+                                                                     names
+                                                       ssh.py, sync.py, hostfile.py,
                                                        job_command.py: what the steps use
 
-commands.py builds the local launcher commands that the Makefile, tests and benchmarks
-use (and the environment every launcher gets).
+sweep/ runs many trials at once on slices of this machine or of a cluster (`spotring
+sweep`). commands.py builds the local launcher commands that the Makefile, tests and
+benchmarks use (and the environment every launcher gets).
 """
 
 # The subcommands and their one line each, for `spotring --help` and `spotring launch

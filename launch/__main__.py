@@ -38,13 +38,13 @@ import textwrap
 from pathlib import Path
 
 from botocore.exceptions import BotoCoreError, ClientError
-from omegaconf import DictConfig
 
 from launch import STEPS, config
+from launch.clusters import provider_for
 from launch.cost import after_run, hourly
 from launch.down import down
 from launch.plan import plan
-from launch.provider import NoCapacity, Provider
+from launch.provider import NoCapacity
 from launch.recover import supervise
 from launch.run import run as run_job
 from launch.rundir import RunDir
@@ -232,17 +232,6 @@ def _run_dir(command: str, cfg, all_mine: bool) -> RunDir:
         if command in ("down", "cost") and cfg.run_id is None:
             return RunDir.planned(cfg.runs_dir)
         raise
-
-
-def provider_for(cfg: DictConfig, run: RunDir) -> Provider:
-    """The provider conf/cluster/NAME.yaml names; each is imported only when chosen."""
-    if cfg.cluster.name == "local":
-        from launch.local.provider import LocalCluster
-
-        return LocalCluster(cfg.cluster, run)
-    from launch.aws.provider import AwsSpot
-
-    return AwsSpot(cfg.cluster, run, cfg.project)
 
 
 if __name__ == "__main__":

@@ -22,11 +22,13 @@ from dataclasses import dataclass
 
 from launch.commands import LAUNCHER_ENV
 from launch.provider import Node
-from trainer.exits import EXIT_PREEMPTED
+from trainer.exits import DIVERGED, EXIT_DIVERGED, EXIT_PREEMPTED, PREEMPTED
 
 ENGINES = {"horovodrun": "horovod", "mpirun": "horovod", "torchrun": "ddp"}
 TORCHRUN_PORT = 29400
 HOROVOD_START_TIMEOUT_S = 120
+# The notes rank 0 leaves in its run dir (trainer/exits.py), and the exit code each says.
+NOTES = {PREEMPTED: EXIT_PREEMPTED, DIVERGED: EXIT_DIVERGED}
 
 
 def results_dir(run_id: str) -> str:
@@ -39,13 +41,14 @@ class JobCommand:
     launcher: str
     commands: dict[int, str]  # node index -> shell command
 
-    def exit_code(self, returncode: int, output: str, preempted: bool = False) -> int:
-        """The trainer's exit code, so that the launcher can tell a lost rank (69) or a
-        preemption (75) from a failure. horovodrun exits 1 whatever the ranks did and
-        names the first failed rank's code in its last words; torchrun exits 1 too and
-        names none reliably, but rank 0 leaves preempted.json (``preempted``)."""
-        if returncode != 0 and preempted:
-            return EXIT_PREEMPTED
+    def exit_code(self, returncode: int, output: str, note: str | None = None) -> int:
+        """The trainer's exit code, so that the launcher can tell a lost rank (69), a
+        preemption (75) or a divergence (65) from a failure. horovodrun exits 1 whatever
+        the ranks did and names the first failed rank's code in its last words; torchrun
+        exits 1 too and names none reliably, but rank 0 leaves a note (``note``, one of
+        NOTES: preempted.json or diverged.json)."""
+        if returncode != 0 and note is not None:
+            return NOTES[note]
         if self.launcher == "horovodrun" and returncode != 0:
             codes = re.findall(r"^Exit code: (\d+)$", output, re.MULTILINE)
             if codes:

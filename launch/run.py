@@ -6,8 +6,8 @@
        node 0's output streams here and into job.log, the others' into job-node-I.log
     4. runs/<run id> back from node 0 into the run dir's job/, also after a failure
 
-Returns the trainer's exit code: 0 done, 1 failed, 2 bad input, 69 a rank was lost,
-75 preempted (see trainer/job.py).
+Returns the trainer's exit code: 0 done, 1 failed, 2 bad input, 65 diverged, 69 a rank
+was lost, 75 preempted (see trainer/job.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from launch.provider import Node, Provider
 from launch.rundir import RunDir
 from launch.ssh import RemoteError, Ssh
 from trainer.config import ConfigError
-from trainer.exits import PREEMPTED
 
 log = logging.getLogger("launch")
 
@@ -54,8 +53,10 @@ def run(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
         log.info("run: setting the nodes up: %s", cfg.cluster.setup)
         sync.setup(ssh, nodes, provider.workdir, cfg.cluster.setup)
     results = shlex.quote(f"{provider.workdir}/{job_command.results_dir(run.id)}")
-    ssh.run(nodes[0], f"rm -f {results}/{PREEMPTED}")  # from a try before this one
-    (run.job / PREEMPTED).unlink(missing_ok=True)
+    # Rank 0's notes from a try before this one.
+    ssh.run(nodes[0], "rm -f " + " ".join(f"{results}/{note}" for note in job_command.NOTES))
+    for note in job_command.NOTES:
+        (run.job / note).unlink(missing_ok=True)
     log.info("run: on node 0 (%s): %s", nodes[0].address, job.commands[0])
     try:
         status = _start(ssh, nodes, run, job.commands)
@@ -66,13 +67,14 @@ def run(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
             log.info("run: could not bring the results back: %s", e)
         raise
     _bring_back(ssh, nodes[0], provider.workdir, run)
-    code = job.exit_code(*status, preempted=(run.job / PREEMPTED).exists())
+    note = next((n for n in job_command.NOTES if (run.job / n).exists()), None)
+    code = job.exit_code(*status, note=note)
     log.info("run: the job exited with code %d", code)
     return code
 
 
 def _bring_back(ssh: Ssh, node: Node, workdir: str, run: RunDir) -> None:
-    names = sync.fetch(ssh, node, workdir, run)
+    names = sync.fetch(ssh, node, workdir, job_command.results_dir(run.id), run.job)
     if names:
         log.info("run: brought back %d files to %s", len(names), run.job)
     else:

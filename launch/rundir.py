@@ -4,7 +4,8 @@
     state.json         the nodes (addresses, type, zone, price), when they came and went,
                        and those that left the run (lost spot nodes) for the bill
     id_ed25519[.pub]   the run's SSH key pair (private key 0600, never leaves this machine
-                       except to node 0, which uses it to reach the other nodes)
+                       except to node 0, which uses it to reach the other nodes, and for a
+                       sweep under horovodrun or mpirun to the first node of each slice)
     known_hosts        the nodes' host keys, scanned at `up`
     hosts              `ADDRESS slots=G`, one line per node (horovodrun, Open MPI)
     hosts.mpich        `ADDRESS:G` (MPICH)

@@ -19,7 +19,6 @@ import tarfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from launch.job_command import results_dir
 from launch.provider import Node
 from launch.rundir import RunDir
 from launch.ssh import RemoteError, Ssh, on_each
@@ -39,30 +38,30 @@ def code_files(repo: Path = REPO) -> list[str]:
     return [f for f in out.decode().split("\0") if f and (repo / f).is_file()]
 
 
-def _tar(files: dict[str, Path], mode: int | None = None) -> bytes:
+def tar(files: dict[str, Path], mode: int | None = None) -> bytes:
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+    with tarfile.open(fileobj=buf, mode="w:gz") as archive:
         for name, path in files.items():
-            info = tar.gettarinfo(str(path), arcname=name)
+            info = archive.gettarinfo(str(path), arcname=name)
             info.uid = info.gid = 0
             info.uname = info.gname = ""
             if mode is not None:
                 info.mode = mode
             with open(path, "rb") as f:
-                tar.addfile(info, f)
+                archive.addfile(info, f)
     return buf.getvalue()
 
 
 def push(ssh: Ssh, nodes: Sequence[Node], workdir: str, run: RunDir) -> int:
     """Returns the number of files copied to each node."""
     files = code_files()
-    code = _tar({f: REPO / f for f in files})
+    code = tar({f: REPO / f for f in files})
     wd = shlex.quote(workdir)
     on_each(nodes, lambda n: ssh.run(n, f"mkdir -p {wd} && tar -xzmf - -C {wd}", input=code))
     ssh.run(nodes[0], f"tar -xzmf - -C {wd}",
-            input=_tar({"hosts": run.hosts, "hosts.mpich": run.hosts_mpich}))
+            input=tar({"hosts": run.hosts, "hosts.mpich": run.hosts_mpich}))
     ssh.run(nodes[0], "mkdir -p -m 700 ~/.ssh && tar -xzmf - -C ~/.ssh",
-            input=_tar({"id_ed25519": run.key, "known_hosts": run.known_hosts}, mode=0o600))
+            input=tar({"id_ed25519": run.key, "known_hosts": run.known_hosts}, mode=0o600))
     return len(files)
 
 
@@ -70,20 +69,22 @@ def setup(ssh: Ssh, nodes: Sequence[Node], workdir: str, command: str) -> None:
     on_each(nodes, lambda n: ssh.run(n, f"cd {shlex.quote(workdir)} && {command}"))
 
 
-def fetch(ssh: Ssh, node: Node, workdir: str, run: RunDir) -> list[str]:
-    """What rank 0 wrote, into run.job; returns the files brought back (none if the job
-    wrote nothing, e.g. it stopped on bad input). Streamed: a checkpoint can be large."""
-    src = shlex.quote(f"{workdir}/{results_dir(run.id)}")
+def fetch(ssh: Ssh, node: Node, workdir: str, results: str, dest: Path) -> list[str]:
+    """What rank 0 wrote to ``results`` (relative to the workdir; a run's is
+    job_command.results_dir(run id)) into ``dest``; returns the files brought back (none
+    if the job wrote nothing, e.g. it stopped on bad input). Streamed: a checkpoint can
+    be large."""
+    src = shlex.quote(f"{workdir}/{results}")
     if ssh.run(node, f"test -d {src}", check=False).returncode != 0:
         return []
     command = (f"cd {src} && last=$(ls checkpoints/ckpt-*.json 2>/dev/null | tail -n 1); "
                'tar -czf - --exclude=./checkpoints . ${last:+"$last" "${last%.json}.pt"}')
-    run.job.mkdir(exist_ok=True)
+    dest.mkdir(parents=True, exist_ok=True)
     names = []
     with ssh.popen(node, command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
-        with tarfile.open(fileobj=proc.stdout, mode="r|gz") as tar:
-            for member in tar:
-                tar.extract(member, run.job, filter="data")
+        with tarfile.open(fileobj=proc.stdout, mode="r|gz") as stream:
+            for member in stream:
+                stream.extract(member, dest, filter="data")
                 if member.isfile():
                     names.append(member.name.removeprefix("./"))
         if proc.wait() != 0:

@@ -3,6 +3,7 @@
     spotring train [OVERRIDES]          train on this machine's ranks (Hydra overrides)
     spotring launch nodes=8 -- [TRAINER OVERRIDES]
     spotring up|run|status|down|cost    the launch steps one by one
+    spotring sweep sweep=mnist_lr_wd    Optuna trials, several at once (conf/sweep/)
     spotring bench|report|predict       scaling benchmarks, their report, the predictor
 
 Each subcommand's module is imported only when it runs, so that `spotring train` (the
@@ -24,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
               "train here: alone, or as the program torchrun, horovodrun, mpirun or srun "
               "starts (Hydra overrides)"),
     **{step: ("launch.__main__", "main", summary) for step, summary in STEPS.items()},
+    "sweep": ("launch.sweep.__main__", "main",
+              "many trials at once, searched by Optuna: hyperparameters, model families"),
     "bench": ("benchmarks.suite", "main",
               "measure throughput, scaling and allreduce bandwidth into a results folder"),
     "report": ("benchmarks.report", "main", "a results folder's report.md and plots"),

@@ -89,3 +89,22 @@ def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: f
         diff = (a[name].double() - b[name].double()).norm()
         scale = b[name].double().norm().clamp_min(1e-12)
         assert diff / scale <= rtol, f"{name}: relative difference {diff / scale:.3g} > {rtol}"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A moto S3 server on 127.0.0.1, a bucket, and the environment that points boto3
+    at it (here and in the trainer processes the tests start)."""
+    import boto3
+
+    from tests.aws import aws_env, start_moto
+
+    server = start_moto()
+    host, port = server.get_host_and_port()
+    env = aws_env(f"http://{host}:{port}", tmp_path_factory.mktemp("home"))
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        boto3.client("s3").create_bucket(Bucket="spotring")
+        yield env
+    server.stop()

@@ -10,6 +10,7 @@ from horovod.runner.common.util import hosts as horovod_hosts
 from launch import hostfile, job_command
 from launch.commands import BIN, local_environment
 from launch.provider import Node
+from trainer.exits import PREEMPTED
 
 # Two nodes of 4 GPUs: public addresses for ssh from here, private ones between them.
 NODES = [Node(f"i-{i}", f"203.0.113.{i}", f"10.0.1.{10 + i}", 4, "g5.12xlarge", "us-east-1a",
@@ -87,6 +88,6 @@ def test_a_preemption_under_torchrun_is_told_by_rank_0s_note(tmp_path):
                           env=local_environment())
     job = job_command.build("torchrun", NODES, "/w", "R", [])
     assert proc.returncode == 1
-    assert job.exit_code(proc.returncode, proc.stdout + proc.stderr, preempted=True) == 75
+    assert job.exit_code(proc.returncode, proc.stdout + proc.stderr, note=PREEMPTED) == 75
     assert job.exit_code(proc.returncode, proc.stdout + proc.stderr) == 1
-    assert job.exit_code(0, "", preempted=True) == 0  # a finished job's stale note
+    assert job.exit_code(0, "", note=PREEMPTED) == 0  # a finished job's stale note

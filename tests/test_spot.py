@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from launch.commands import local_command, local_environment
-from tests.aws import aws_env, start_moto
 from tests.conftest import QUICK, REPO, Run, assert_close, run_trainer
 from tests.imds import MetadataStub
 from trainer.checkpoint import Checkpoints, find_resume
@@ -30,21 +29,6 @@ STEPS = SAMPLES * EPOCHS // GLOBAL_BATCH
 RUN = ["dataset=synthetic", "dataset.shape=[1,28,28]", f"dataset.train_size={SAMPLES}",
        "dataset.test_size=200", f"train.epochs={EPOCHS}", "train.threads=1",
        "telemetry.log_every=5", "preemption.poll_seconds=0.5", "train.dtype=float64"]
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """A moto S3 server on 127.0.0.1, a bucket, and the environment that points boto3
-    at it (here and in the trainer processes the tests start)."""
-    server = start_moto()
-    host, port = server.get_host_and_port()
-    env = aws_env(f"http://{host}:{port}", tmp_path_factory.mktemp("home"))
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in env.items():
-            mp.setenv(key, value)
-        boto3.client("s3").create_bucket(Bucket="spotring")
-        yield env
-    server.stop()
 
 
 class Job:

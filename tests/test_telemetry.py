@@ -9,6 +9,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import compose_config
+from trainer.models import build_model
 from trainer.schedule import LRSchedule
 from trainer.telemetry import Progress
 
@@ -68,6 +69,14 @@ def test_summary_has_what_users_and_benchmarks_read(train):
     assert summary["engine"] == "ddp" and summary["images_per_second"] > 0
     assert f"summary     {run.dir / 'summary.json'}" in run.output
     assert "img/s" in run.output and "tensorboard" in run.output
+
+    # The model's size, and the most memory the process held (on the CPU: its peak RSS).
+    cfg = compose_config(*SMALL)
+    model = build_model(cfg.model, tuple(cfg.dataset.shape), cfg.dataset.num_classes)
+    parameters = sum(p.numel() for p in model.parameters())
+    assert summary["parameters"] == parameters
+    assert summary["parameter_mb"] == pytest.approx(parameters * 4 / 2**20)  # float32
+    assert summary["peak_memory_mb"] > 0
 
 
 def test_progress_in_a_log_is_plain_lines_and_ends_with_the_last_step():

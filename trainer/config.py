@@ -42,21 +42,21 @@ class Choice(str, Enum):
         return format(self.value, spec)
 
 
-def _choices(name: str, values: str) -> type[Choice]:
+def choices(name: str, values: str) -> type[Choice]:
     return Choice(name, [(value, value) for value in values.split()])
 
 
-DatasetName = _choices("DatasetName", "mnist cifar10 synthetic")
-ModelName = _choices("ModelName", "convnet lenet cifar_convnet cifar_resnet torchvision")
-OptimizerName = _choices("OptimizerName", "sgd adamw")
-Decay = _choices("Decay", "cosine step none")
-EngineName = _choices("EngineName", "ddp horovod")
-Backend = _choices("Backend", "auto nccl gloo mpi")
-Compression = _choices("Compression", "none fp16")
-ReduceOp = _choices("ReduceOp", "average adasum")
-Device = _choices("Device", "auto cpu cuda")
-DType = _choices("DType", "float32 float64")
-Precision = _choices("Precision", "auto fp32 bf16 fp16")
+DatasetName = choices("DatasetName", "mnist cifar10 synthetic")
+ModelName = choices("ModelName", "convnet lenet cifar_convnet cifar_resnet torchvision")
+OptimizerName = choices("OptimizerName", "sgd adamw")
+Decay = choices("Decay", "cosine step none")
+EngineName = choices("EngineName", "ddp horovod")
+Backend = choices("Backend", "auto nccl gloo mpi")
+Compression = choices("Compression", "none fp16")
+ReduceOp = choices("ReduceOp", "average adasum")
+Device = choices("Device", "auto cpu cuda")
+DType = choices("DType", "float32 float64")
+Precision = choices("Precision", "auto fp32 bf16 fp16")
 
 # ----------------------------------------------------------------------------- schemas
 
@@ -92,6 +92,16 @@ class ConvNetConfig(ModelConfig):
     channels: list[int] = field(default_factory=lambda: [32, 64])
     kernels: list[int] = field(default_factory=lambda: [5, 5])
     hidden: int = 128
+
+
+@dataclass
+class CifarConvNetConfig(ModelConfig):
+    """MathWorks' CIFAR-10 network and its family: conv / ReLU / 3x3 stride-2 max-pool
+    stages, local response normalisation between them, FC 64, the classes."""
+
+    depth: int = 3  # conv stages: 1 to 4 on 32x32 images (32 -> 15 -> 7 -> 3 -> 1)
+    width: int = 32  # channels of the first stage; stage i has width * 2**(i//2)
+    kernel: int = 5  # odd square kernel size, padded by kernel//2
 
 
 @dataclass
@@ -240,6 +250,7 @@ def register() -> None:
         ("dataset", "synthetic", SyntheticDatasetConfig),
         ("model", "model", ModelConfig),
         ("model", "convnet", ConvNetConfig),
+        ("model", "cifar_convnet", CifarConvNetConfig),
         ("model", "resnet", ResNetConfig),
         ("model", "torchvision", TorchvisionModelConfig),
         ("optim", "sgd", SGDConfig),
@@ -337,6 +348,8 @@ def validate(cfg: DictConfig) -> None:
         positive["train.threads"] = cfg.train.threads
     if cfg.train.eval_samples is not None:
         positive["train.eval_samples"] = cfg.train.eval_samples
+    if cfg.model.name == "cifar_convnet":
+        positive["model.width"] = cfg.model.width
     if cfg.dataset.name == "synthetic":
         positive |= {
             "dataset.num_classes": cfg.dataset.num_classes,
@@ -365,6 +378,8 @@ def validate(cfg: DictConfig) -> None:
         need(len(cfg.model.channels) == 2 and len(cfg.model.kernels) == 2,
              f"model.channels={list(cfg.model.channels)}, model.kernels="
              f"{list(cfg.model.kernels)}: the convnet has exactly two conv stages")
+    if cfg.model.name == "cifar_convnet":
+        problems += cifar_convnet_problems(cfg)
     if cfg.model.name == "cifar_resnet":
         need(cfg.model.depth >= 8 and (cfg.model.depth - 2) % 6 == 0,
              f"model.depth={cfg.model.depth}: a CIFAR ResNet has depth 6n+2 (20, 32, 44, 56, 110)")
@@ -381,6 +396,30 @@ def validate(cfg: DictConfig) -> None:
             + "\nSee the groups under conf/ or print the composed config with "
             "`spotring train --cfg job`."
         )
+
+
+# The image side of each named dataset (synthetic ones give dataset.shape).
+IMAGE_SIDE = {"mnist": 28, "cifar10": 32}
+
+
+def cifar_convnet_problems(cfg: DictConfig) -> list[str]:
+    """model.depth is 1 to 4 stages, as many as leave a pixel after their 3x3 stride-2
+    pools (32 -> 15 -> 7 -> 3 -> 1: four on CIFAR-10, three on MNIST's 28 -> 13 -> 6 -> 2),
+    and model.kernel is odd, so that padding kernel//2 keeps the size."""
+    model, problems = cfg.model, []
+    side = (min(cfg.dataset.shape[1:], default=0) if cfg.dataset.name == "synthetic"
+            else IMAGE_SIDE[cfg.dataset.name])
+    most = 0
+    while side >= 3 and most < 4:
+        side, most = (side - 3) // 2 + 1, most + 1
+    if not 1 <= model.depth <= most:
+        valid = f"1 to {most}" if most else "none (images smaller than the 3x3 pool)"
+        problems.append(f"model.depth={model.depth}: valid with dataset={cfg.dataset.name}: "
+                        f"{valid}; each stage's 3x3 stride-2 pool halves the image")
+    if model.kernel < 1 or model.kernel % 2 == 0:
+        problems.append(f"model.kernel={model.kernel}: must be odd and positive "
+                        "(1, 3, 5, 7, 9...), so that padding kernel//2 keeps the size")
+    return problems
 
 
 def gpu_path_problems(cfg: DictConfig) -> list[str]:

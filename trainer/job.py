@@ -7,8 +7,8 @@
     4. rank 0's checkpoint to every rank; train; evaluate
     5. rank 0: summary.json and the closing lines
 
-Exit codes: trainer/exits.py (0 done, 1 failed, 2 bad input, 69 a rank lost, 75
-preempted).
+Exit codes: trainer/exits.py (0 done, 1 failed, 2 bad input, 65 diverged, 69 a rank
+lost, 75 preempted).
 """
 
 from __future__ import annotations
@@ -28,8 +28,16 @@ from omegaconf import DictConfig, OmegaConf
 from trainer import datasets, engines, runtime
 from trainer.checkpoint import Checkpoints, check_compatible, find_resume
 from trainer.config import ConfigError, global_batch, validate
-from trainer.exits import EXIT_CONFIG, EXIT_OK, EXIT_PREEMPTED, PREEMPTED, exit_peer_lost
-from trainer.loop import Trainer
+from trainer.exits import (
+    DIVERGED,
+    EXIT_CONFIG,
+    EXIT_DIVERGED,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    PREEMPTED,
+    exit_peer_lost,
+)
+from trainer.loop import Diverged, Trainer
 from trainer.preemption import Preempted
 from trainer.stores import write_atomic
 
@@ -53,10 +61,12 @@ def run(cfg: DictConfig) -> int:
         summary = _fit(cfg, engine, dataset, checkpoints, found)
     except Preempted as e:
         log.warning("%s; exit %d: run again with resume=auto to continue", e, EXIT_PREEMPTED)
-        if engine.rank == 0:  # for launchers that do not pass exit codes on (torchrun)
-            write_atomic(_run_dir() / PREEMPTED, json.dumps(
-                {"reason": e.reason, "step": e.step, "checkpoint": e.checkpoint}).encode())
+        _leave_note(engine, PREEMPTED, reason=e.reason, step=e.step, checkpoint=e.checkpoint)
         code = EXIT_PREEMPTED
+    except Diverged as e:
+        log.error("%s; exit %d", e, EXIT_DIVERGED)
+        _leave_note(engine, DIVERGED, step=e.step, loss=e.loss, reason=str(e))
+        code = EXIT_DIVERGED
     except Exception as e:
         if not _is_collective_failure(e):
             raise
@@ -69,6 +79,13 @@ def run(cfg: DictConfig) -> int:
     # wrapped model, the process group) alive past the engine's shutdown.
     engine.shutdown()
     return code
+
+
+def _leave_note(engine: engines.Engine, name: str, **fields: Any) -> None:
+    """Rank 0's note in the run dir of why the run stopped, for launchers that do not
+    pass exit codes on (torchrun)."""
+    if engine.rank == 0:
+        write_atomic(_run_dir() / name, json.dumps(fields).encode())
 
 
 def _fit(cfg: DictConfig, engine: engines.Engine, dataset, checkpoints: Checkpoints,

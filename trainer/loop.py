@@ -15,6 +15,7 @@ Every optimizer step:
     every log_every steps: metrics summed over ranks, logged by rank 0
     every checkpoint.every_steps and at each epoch end: checkpoint (rank 0 writes)
     every step: the ranks vote on spot notices; on one, checkpoint and stop (exit 75)
+    a NaN or infinite loss in those metrics or a test: every rank stops (exit 65)
 
 The loop knows neither the engine nor the launcher: it only calls the Engine interface.
 """
@@ -23,6 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import resource
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -97,6 +101,41 @@ def compiled_graphs() -> int:
 
 def _every(step: int, interval: int) -> bool:
     return interval > 0 and step % interval == 0
+
+
+class Diverged(Exception):
+    """Raised on every rank at the same step once a loss the ranks agreed on (the train
+    loss summed at a log line, or the test loss) is NaN or infinite."""
+
+    def __init__(self, step: int, loss: float, kind: str = "train") -> None:
+        what = "the weights are not finite" if kind == "weights" else f"the {kind} loss is {loss}"
+        super().__init__(f"{what} at step {step}: training diverged; try a lower optim.lr "
+                         "(or more schedule.warmup_epochs)")
+        self.step, self.loss = step, loss
+
+
+def _check_finite(loss: float, step: int, kind: str) -> None:
+    if not math.isfinite(loss):
+        raise Diverged(step, loss, kind)
+
+
+def _memory(model: torch.nn.Module, device: torch.device) -> dict[str, float]:
+    """What the model takes, and the most this process has held."""
+    params = list(model.parameters())
+    if device.type == "cuda":
+        # The most GPU memory tensors have taken at once (weights, gradients, optimizer
+        # state, activations), not what the caching allocator reserved.
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        # The process's peak resident set: the model and its tensors, and also the
+        # dataset in memory, Python and torch's own libraries. KiB on Linux, bytes on macOS.
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (
+            2**20 if sys.platform == "darwin" else 2**10)
+    return {
+        "parameters": sum(p.numel() for p in params),  # the model's weights, counted
+        "parameter_mb": sum(p.numel() * p.element_size() for p in params) / 2**20,  # MiB
+        "peak_memory_mb": peak,  # MiB (summary.json: rank 0's)
+    }
 
 
 class Trainer:
@@ -252,6 +291,7 @@ class Trainer:
             "compile": cfg.train.compile,
             "compile_seconds": self.compile_seconds,
             "compile_steps": self.compile_steps,
+            **_memory(self.raw_model, self.engine.device),
         }
 
     def _timed_steps(self) -> int:
@@ -316,6 +356,7 @@ class Trainer:
         rate = (timed - last[0]) * self.global_batch / max(now - last[1], 1e-9)
         self.telemetry.train(step, self.position.epoch, lr, sums[0] / sums[2], sums[1] / sums[2],
                              rate)
+        _check_finite(sums[0] / sums[2], step, "train")  # the same sum on every rank
         return timed, now
 
     @torch.no_grad()
@@ -338,12 +379,17 @@ class Trainer:
         step = self.position.step
         self.telemetry.test(step, step / self.batches.steps_per_epoch, self.stopwatch.total,
                             **result)
+        _check_finite(result["loss"], step, "test")
         return result
 
     # -------------------------------------------------------------------- checkpoints
 
     def _checkpoint(self) -> int:
         self.stopwatch.pause()
+        # Never a checkpoint of diverged weights to resume from. The ranks hold the same
+        # weights, so each comes to the same answer.
+        if not all(bool(torch.isfinite(p).all()) for p in self.raw_model.parameters()):
+            raise Diverged(self.position.step, float("nan"), "weights")
         rng = self.engine.all_gather_object(runtime.rng_state())  # every rank's, for resume
         if self.engine.rank == 0:
             pos = self.position

@@ -63,17 +63,23 @@ def lenet(cfg: DictConfig, shape: tuple[int, int, int], num_classes: int) -> nn.
 
 
 def cifar_convnet(cfg: DictConfig, shape: tuple[int, int, int], num_classes: int) -> nn.Module:
-    """The CIFAR-10 network of MathWorks' parallel-training white paper: three
-    conv5x5 (32, 32, 64) / ReLU / 3x3 stride-2 pool stages with cross-channel (local
-    response) normalisation after the first two, then FC 64, ReLU, FC 10."""
-    features = nn.Sequential(
-        nn.Conv2d(shape[0], 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(3, 2),
-        nn.LocalResponseNorm(5),
-        nn.Conv2d(32, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(3, 2),
-        nn.LocalResponseNorm(5),
-        nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(3, 2),
-        nn.Flatten(),
-    )
+    """The CIFAR-10 network of MathWorks' parallel-training white paper, and its family:
+    ``model.depth`` conv / ReLU / 3x3 stride-2 max-pool stages (the pools take 32 -> 15
+    -> 7 -> 3 -> 1), stage i with ``model.width * 2**(i//2)`` channels of square
+    ``model.kernel`` kernels (padded by kernel//2, so the convolutions keep the size),
+    cross-channel (local response) normalisation after every stage but the last, then
+    FC 64, ReLU, the classes. The defaults (depth 3, width 32, kernel 5) are the paper's
+    network: conv5x5 32, 32, 64."""
+    layers: list[nn.Module] = []
+    c_in = shape[0]
+    for i in range(cfg.depth):
+        if i:
+            layers.append(nn.LocalResponseNorm(5))
+        c_out = cfg.width * 2 ** (i // 2)
+        layers += [nn.Conv2d(c_in, c_out, cfg.kernel, padding=cfg.kernel // 2), nn.ReLU(),
+                   nn.MaxPool2d(3, 2)]
+        c_in = c_out
+    features = nn.Sequential(*layers, nn.Flatten())
     return nn.Sequential(
         features,
         nn.Linear(_flat_size(features, shape), 64), nn.ReLU(),

@@ -1,0 +1,11 @@
+"""Sweeps: many trials at once, searched by Optuna (`spotring sweep`; __main__.py is the
+runbook, docs/sweeps.md the guide). Each concern a module of its own:
+
+    config.py   the schema (conf/sweeper.yaml, conf/sweep/), the search space in Hydra's
+                grammar as Optuna distributions, every check before a trial starts
+    study.py    the Optuna study: journal storage, sampler, pruner, its copy in S3
+    slots.py    the slices of GPUs, cores or cluster nodes, and starting a trial on one
+    runner.py   the loop: trials to free slots, evaluations to the pruner, ends to the
+                study, killed trials resumed
+    report.py   sweep_report.md and its plots
+"""

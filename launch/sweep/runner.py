@@ -1,0 +1,286 @@
+"""The sweep's loop: a trial on every free slot, its evaluations to the pruner, its end
+to the study, until the study has its trials.
+
+Every trial is a whole spotring training job in SWEEP_DIR/trials/NNN/ (train.log,
+metrics.jsonl, tensorboard/, checkpoints/, summary.json, and trial.log: what its
+processes printed). How a trial ends decides what the study records:
+
+    summary.json written          complete, with the objectives read from it
+    the pruner stopped it         pruned (at its last reported evaluation)
+    diverged.json (exit 65)       failed: the loss became NaN or infinite
+    exit 2                        failed: the trainer refused its configuration
+    anything else (killed,        resumed from its own checkpoint, in the same run
+    preempted, a rank lost)       directory, up to sweep.max_retries times; then failed
+
+A slot is free again the moment its trial ends. Trials the study holds as running when
+the sweep starts (a sweep that was stopped or killed) resume first; finished ones are
+never run again.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import optuna
+from omegaconf import OmegaConf
+from optuna.trial import TrialState
+
+from launch.job_command import NOTES
+from launch.sweep import report
+from launch.sweep.config import PRUNABLE, Plan
+from launch.sweep.slots import Attempt, Slot
+from launch.sweep.study import Study
+from trainer.exits import DIVERGED, EXIT_CONFIG
+from trainer.stores import write_atomic
+
+log = logging.getLogger("launch")
+POLL_S = 1.0  # how often trials are checked for their end and new evaluations
+STATES = {TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned",
+          TrialState.FAIL: "failed", TrialState.RUNNING: "running", TrialState.WAITING: "running"}
+
+
+@dataclass
+class Running:
+    trial: optuna.trial.Trial
+    slot: Slot
+    attempt: Attempt
+    log: IO[bytes]
+    started: float = field(default_factory=time.monotonic)
+    reported: set[int] = field(default_factory=set)  # steps already told to the pruner
+    pruned: str = ""  # why, once the pruner stopped it
+
+    @property
+    def number(self) -> int:
+        return self.trial.number
+
+
+class Runner:
+    def __init__(self, plan: Plan, study: Study, slots: list[Slot], sweep_dir: Path,
+                 checkpoint_uri: str | None) -> None:
+        self.plan, self.study, self.sweep_dir = plan, study, sweep_dir
+        self.free: deque[Slot] = deque(slots)
+        self.running: dict[int, Running] = {}
+        self.checkpoint_uri = checkpoint_uri.rstrip("/") if checkpoint_uri else None
+        # Trials a stopped sweep left running: they resume before any new one starts.
+        self.resume: deque[int] = deque(
+            t.number for t in study.study.get_trials(deepcopy=False)
+            if t.state in (TrialState.RUNNING, TrialState.WAITING))
+
+    # ----------------------------------------------------------------------- the loop
+
+    def run(self) -> None:
+        if self.resume:
+            log.info("sweep: %d trials were running when the sweep stopped; they resume from "
+                     "their checkpoints", len(self.resume))
+        try:
+            while True:
+                while self.free and (trial := self._next()) is not None:
+                    self._start(trial, self.free.popleft())
+                if not self.running:
+                    break
+                time.sleep(POLL_S)
+                for running in list(self.running.values()):
+                    self._poll(running)
+        except BaseException:
+            self._stop_all()  # each trial checkpoints and stays `running` in the study
+            raise
+
+    def _next(self) -> optuna.trial.Trial | None:
+        study = self.study.study
+        if self.resume:
+            frozen = study.trials[self.resume.popleft()]
+            # Optuna has no public handle on a trial an earlier process asked for.
+            return optuna.trial.Trial(study, frozen._trial_id)
+        if len(study.trials) >= self.plan.trials:
+            return None
+        trial = study.ask({p.key: p.distribution for p in self.plan.params})
+        trial.set_user_attr("params", self._params(trial.params))
+        return trial
+
+    def _params(self, sampled: dict[str, Any]) -> dict[str, str]:
+        """KEY -> the value a trial's command line gets, for Optuna's sampled values."""
+        return {p.key: p.override(sampled[p.key]).split("=", 1)[1] for p in self.plan.params}
+
+    def trial_dir(self, number: int) -> Path:
+        return self.sweep_dir / "trials" / f"{number:03d}"
+
+    def _args(self, trial: optuna.trial.Trial) -> list[str]:
+        params = [f"{k}={v}" for k, v in self._params(trial.params).items()]
+        args = [a for a in self.plan.args if not a.startswith("checkpoint.uri=")]
+        if self.checkpoint_uri:  # each trial resumable anywhere, from its own prefix
+            args.append(f"checkpoint.uri={self.checkpoint_uri}/sweeps/"
+                        f"{self.plan.cfg.sweep.name}/trials/{trial.number:03d}")
+        return [*args, *params]
+
+    def _start(self, trial: optuna.trial.Trial, slot: Slot) -> None:
+        trial_dir = self.trial_dir(trial.number)
+        trial_dir.mkdir(parents=True, exist_ok=True)
+        frozen = self.study.study.trials[trial.number]
+        out = open(trial_dir / "trial.log", "ab")  # noqa: SIM115 - closed in _finish
+        if (trial_dir / "summary.json").exists():
+            attempt = Attempt([], group=False)  # it ended as the sweep stopped: tell only
+        else:
+            for note in NOTES:  # from an attempt before this one
+                (trial_dir / note).unlink(missing_ok=True)
+            _stamp(out, f"starts on {slot.label}")
+            attempt = slot.start(trial_dir, self._args(trial), out)
+        self.running[trial.number] = Running(trial, slot, attempt, out,
+                                             reported=set(frozen.intermediate_values))
+        retry = frozen.user_attrs.get("restarts", 0)
+        log.info("sweep: trial %d %s on %s: %s%s", trial.number,
+                 "resumes" if any(trial_dir.glob("checkpoints/ckpt-*.json")) else "starts",
+                 slot.label,
+                 " ".join(self._args(trial)[-len(self.plan.params):]),
+                 f" (retry {retry} of {self.plan.cfg.sweep.max_retries})" if retry else "")
+
+    def _poll(self, running: Running) -> None:
+        if self.plan.cfg.sweep.pruner != "none" and not running.pruned:
+            self._report_evaluations(running)
+        code = running.attempt.poll()
+        if code is not None:
+            self._finish(running, code)
+
+    def _report_evaluations(self, running: Running) -> None:
+        text = running.slot.read(self.trial_dir(running.number), "metrics.jsonl") or ""
+        metric = next(iter(self.plan.objectives))
+        for line in text.splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # the line being written
+            if record.get("kind") != "test" or record["step"] in running.reported:
+                continue
+            running.reported.add(record["step"])
+            value = record[PRUNABLE[metric]]
+            running.trial.report(value, record["step"])
+            if running.trial.should_prune():
+                running.pruned = f"pruned at step {record['step']} ({metric} {value:.4g})"
+                running.attempt.stop()
+                return
+
+    def _finish(self, running: Running, code: int) -> None:
+        number, trial_dir, sweep = running.number, self.trial_dir(running.number), \
+            self.plan.cfg.sweep
+        running.slot.collect(trial_dir)
+        if running.attempt.procs:
+            _stamp(running.log, f"ended: exit {code}")
+        running.log.close()
+        self.running.pop(number, None)
+        self.free.append(running.slot)
+        frozen = self.study.study.trials[number]
+        attrs = frozen.user_attrs
+        wall = attrs.get("wall_seconds", 0.0) + time.monotonic() - running.started
+        running.trial.set_user_attr("wall_seconds", wall)
+        if running.slot.hourly_price is not None:
+            running.trial.set_user_attr("dollars", running.slot.hourly_price * wall / 3600)
+        summary = _read_json(trial_dir / "summary.json") if code == 0 else None
+        diverged = _read_json(trial_dir / DIVERGED)
+        restarts = attrs.get("restarts", 0)
+        if running.pruned:
+            self._tell(running, running.pruned, state=TrialState.PRUNED)
+        elif summary is not None:
+            metrics = summary | {"dollars": running.trial.user_attrs.get("dollars")}
+            values = [float(metrics[m]) for m in self.plan.objectives]
+            shown = ", ".join(f"{m} {v:.4g}" for m, v in zip(self.plan.objectives, values,
+                                                              strict=True))
+            self._tell(running, f"complete: {shown}", values=values)
+        elif diverged is not None:
+            self._tell(running, f"diverged at step {diverged['step']} (loss "
+                                f"{diverged['loss']})", state=TrialState.FAIL)
+        elif code == EXIT_CONFIG:
+            self._tell(running, f"the trainer refused its configuration (see "
+                                f"{trial_dir / 'trial.log'})", state=TrialState.FAIL)
+        elif restarts < sweep.max_retries:
+            running.trial.set_user_attr("restarts", restarts + 1)
+            running.trial.set_user_attr("note", f"exit {code}; resumed from its checkpoint")
+            log.info("sweep: trial %d stopped (exit %d); it resumes from its checkpoint "
+                     "(retry %d of %d)", number, code, restarts + 1, sweep.max_retries)
+            self.resume.appendleft(number)
+        else:
+            self._tell(running, f"exit {code} after {restarts} retries (see "
+                                f"{trial_dir / 'trial.log'})", state=TrialState.FAIL)
+
+    def _tell(self, running: Running, note: str, values: list[float] | None = None,
+              state: TrialState | None = None) -> None:
+        running.trial.set_user_attr("note", "" if values is not None else note)
+        self.study.study.tell(running.number, values, state=state)
+        self.study.save()
+        trials = self.study.study.get_trials(deepcopy=False)
+        done = sum(t.state.is_finished() for t in trials)
+        log.info("sweep: trial %d %s [%d of %d trials done, %d running]", running.number, note,
+                 done, self.plan.trials, len(self.running))
+
+    def _stop_all(self) -> None:
+        for running in list(self.running.values()):
+            running.attempt.stop()
+            running.slot.collect(self.trial_dir(running.number))
+            running.log.close()
+        self.running.clear()
+
+    # ---------------------------------------------------------------------- the report
+
+    def write_report(self, command: str) -> Path:
+        study = self.study.study
+        trials = study.get_trials(deepcopy=False)
+        rows = [report.TrialRow(
+            number=t.number, state=STATES[t.state], params=self._params(t.params),
+            summary=_read_json(self.trial_dir(t.number) / "summary.json")
+            if t.state == TrialState.COMPLETE else None,
+            values=t.values, restarts=t.user_attrs.get("restarts", 0),
+            wall_seconds=t.user_attrs.get("wall_seconds", 0.0),
+            dollars=t.user_attrs.get("dollars"), note=t.user_attrs.get("note", ""),
+            run_dir=str(self.trial_dir(t.number).relative_to(self.sweep_dir)))
+            for t in trials]
+        best = [t.number for t in study.best_trials] if any(
+            t.state == TrialState.COMPLETE for t in trials) else []
+        best_config = self._best_config(trials[best[0]]) if best else None
+        return report.write(self.sweep_dir, self.plan.cfg.sweep.name, self.plan.objectives,
+                            rows, best, best_config, command)
+
+    def _best_config(self, trial: optuna.trial.FrozenTrial) -> Path:
+        """BEST.yaml: the trainer's config with the best trial's overrides, which
+        `spotring train --config-dir SWEEP_DIR --config-name best_config` runs as it is."""
+        overrides = [a for a in self.plan.args if not a.startswith(("hydra.", "checkpoint.uri"))]
+        overrides += [f"{k}={v}" for k, v in self._params(trial.params).items()]
+        groups = [o for o in overrides if _is_group(o.split("=", 1)[0])]
+        values = OmegaConf.from_dotlist([o for o in overrides if o not in groups])
+        body = OmegaConf.to_yaml(values) if values else ""
+        path = self.sweep_dir / "best_config.yaml"
+        lines = [f"# The best trial ({trial.number}) of sweep {self.plan.cfg.sweep.name}: "
+                 + ", ".join(f"{m} {v:.4g}" for m, v in zip(self.plan.objectives, trial.values,
+                                                             strict=True)),
+                 f"#   spotring train --config-dir {self.sweep_dir} --config-name best_config",
+                 "defaults:", "  - config",
+                 *(f"  - override /{g.split('=', 1)[0]}: {g.split('=', 1)[1]}" for g in groups),
+                 "  - _self_", body]
+        write_atomic(path, "\n".join(lines).encode())
+        return path
+
+
+def _stamp(log: IO[bytes], event: str) -> None:
+    """A line in trial.log, around what the trial's processes print: when each attempt
+    started and ended (local time, to the millisecond)."""
+    now = datetime.datetime.now().isoformat(sep=" ", timespec="milliseconds")
+    log.write(f"spotring sweep: {now} attempt {event}\n".encode())
+    log.flush()
+
+
+def _is_group(key: str) -> bool:
+    from importlib.resources import files
+
+    return "." not in key and files("conf").joinpath(key).is_dir()
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+

@@ -39,7 +39,7 @@ help:
 	@echo "make launch NODES=8 [CLUSTER=aws_spot|local] [DRY_RUN=1] [ARGS='trainer overrides']"
 	@echo "                   spot nodes up, the trainer across them, everything down again"
 	@echo "make down [RUN_ID=id]  delete what a launch left (default: the newest run)"
-	@echo "make system-deps   Debian packages the local cluster and its tests need (as root)"
+	@echo "make system-deps   Debian packages the local cluster, SLURM and their tests need (as root)"
 
 install: $(VENV)/.installed
 
@@ -93,16 +93,21 @@ launch: install $(if $(filter local,$(CLUSTER)),horovod system-deps)
 down: install
 	$(BIN)/spotring down cluster=$(CLUSTER) $(if $(RUN_ID),run_id=$(RUN_ID)) $(LAUNCH_ARGS)
 
-# Debian packages: sshd for the local cluster (and its tests). Installed as root when
-# missing; elsewhere a note, and those tests skip.
+# Debian packages: sshd for the local cluster, SLURM and munge for the SLURM tests
+# (tests/slurm.py starts its own daemons; none is set up system-wide). Installed as root
+# when a program of theirs is missing; elsewhere a note, and those tests skip.
+SYSTEM_PACKAGES := openssh-server openssh-client slurmctld slurmd slurm-client munge
+SYSTEM_PROGRAMS := /usr/sbin/sshd /usr/bin/ssh-keyscan /usr/sbin/slurmctld /usr/sbin/slurmd \
+                   /usr/bin/srun /usr/sbin/munged
 system-deps:
-	@if [ ! -x /usr/sbin/sshd ] || ! command -v ssh-keyscan > /dev/null; then \
+	@missing=$$(for p in $(SYSTEM_PROGRAMS); do [ -x $$p ] || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
 	    if [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null; then \
 	        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	            --no-install-recommends openssh-server openssh-client; \
+	            --no-install-recommends $(SYSTEM_PACKAGES); \
 	    else \
-	        echo "system-deps: openssh-server is missing and this is not root: the local" \
-	             "cluster and its tests will not run"; \
+	        echo "system-deps:" $$missing "missing, and this is not root on Debian: the" \
+	             "local cluster, SLURM and their tests will not run"; \
 	    fi; \
 	fi
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -98,14 +100,19 @@ def test_killed_rank_ends_the_horovod_job(tmp_path, launcher):
     proc = subprocess.Popen(local_command(launcher, 2, args), cwd=REPO, env=local_environment(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    # Wait for training, then kill one worker (the newest trainer process).
+    # Wait for training to start (rank 0's first line of the loop), then kill one worker
+    # (the newest trainer process) in the middle of its steps.
     deadline = time.monotonic() + 120
     for line in proc.stdout:
-        if "step " in line or time.monotonic() > deadline:
+        if " workers x batch " in line or time.monotonic() > deadline:
             break
-    workers = subprocess.run(["pgrep", "-s", str(proc.pid), "-f", "-n", "python -m trainer"],
-                             capture_output=True, text=True).stdout.split()
-    assert workers, "no worker found"
+    time.sleep(2)
+    # The ranks' own processes: the launcher's command line names the run dir as well,
+    # and horovodrun starts its ranks in sessions of their own.
+    worker = f"^{re.escape(sys.executable)} -m trainer hydra.run.dir={re.escape(str(tmp_path))} "
+    workers = subprocess.run(["pgrep", "-f", "-n", worker], capture_output=True,
+                             text=True).stdout.split()
+    assert workers and int(workers[-1]) != proc.pid, "no worker found"
     subprocess.run(["kill", "-9", workers[-1]], check=True)
     try:
         code = proc.wait(timeout=60)

@@ -25,6 +25,10 @@ CASES = {
     "slurm srun": ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "6", "SLURM_NTASKS": "8",
                     "SLURM_LOCALID": "2", "SLURM_NTASKS_PER_NODE": "4(x2)"},
                    Launch("slurm", 6, 8, 2, 4)),
+    # srun -N 3 -n 5 with no --ntasks-per-node: this node's count, from the step's.
+    "slurm srun uneven": ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "4", "SLURM_NTASKS": "5",
+                           "SLURM_LOCALID": "0", "SLURM_NODEID": "2",
+                           "SLURM_STEP_TASKS_PER_NODE": "2(x2),1"}, Launch("slurm", 4, 5, 0, 1)),
     # The batch script of an allocation is not a rank of an srun step.
     "slurm batch script": ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0"},
                            Launch("single", 0, 1, 0, 1)),

@@ -10,9 +10,9 @@ No flag says how a run was started; the environment does:
     Open MPI     OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,...}      mpi4py: rank 0 opens a
     MPICH/Hydra  PMI_RANK PMI_SIZE MPI_LOCALRANKID               store, broadcasts address
                                                                  and port
-    SLURM srun   SLURM_PROCID SLURM_NTASKS SLURM_LOCALID         MASTER_ADDR or the first
-                                                                 node, MASTER_PORT or one
-                                                                 derived from the job id
+    SLURM srun   SLURM_PROCID SLURM_NTASKS SLURM_LOCALID         MASTER_ADDR or the step's
+                 SLURM_STEP_TASKS_PER_NODE SLURM_NODEID          first node, MASTER_PORT or
+                                                                 one derived from the job id
     (none)       a single process                                none (no process group)
 
 Horovod does its own rendezvous (hvd.init); engine=horovod only reads the ranks.
@@ -67,9 +67,22 @@ def detect(env: dict[str, str] | None = None) -> Launch:
     # SLURM_STEP_ID: inside an srun step, not merely in the batch script of an allocation.
     if "SLURM_STEP_ID" in env and (v := _ints(env, "SLURM_PROCID", "SLURM_NTASKS",
                                                "SLURM_LOCALID")) is not None:
-        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-        return Launch("slurm", *v, int(per_node) if per_node.isdigit() else v[1])
+        return Launch("slurm", *v, _slurm_local_world_size(env, v[1]))
     return Launch("single", 0, 1, 0, 1)
+
+
+def _slurm_local_world_size(env: dict[str, str], world_size: int) -> int:
+    """This node's tasks in the step. SLURM_STEP_TASKS_PER_NODE counts them for each node
+    of the step, compressed ("2(x3),1": 2, 2, 2, 1); SLURM_NODEID is this node's index.
+    SLURM_NTASKS_PER_NODE is set only where --ntasks-per-node was asked for."""
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE", "")
+    counts = []
+    for part in filter(None, spec.split(",")):
+        count, _, times = part.partition("(x")
+        counts += [int(count)] * int(times.rstrip(")") or 1)
+    if not counts:
+        return world_size
+    return counts[min(int(env.get("SLURM_NODEID", 0)), len(counts) - 1)]
 
 
 def env_rank() -> int:
@@ -184,9 +197,11 @@ def outward_address() -> str:
 
 
 def slurm_master_addr(env: dict[str, str]) -> str:
-    """SLURM puts task 0 on the first node of the allocation."""
+    """SLURM puts task 0 on the first node of the step: of the allocation only where
+    the step spans all of it (an `srun -N 1` in a 2-node batch job does not)."""
     if "MASTER_ADDR" in env:
         return env["MASTER_ADDR"]
-    out = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]],
+    nodes = env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"]
+    out = subprocess.run(["scontrol", "show", "hostnames", nodes],
                          capture_output=True, text=True, check=True)
     return out.stdout.split()[0]

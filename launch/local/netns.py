@@ -14,8 +14,11 @@ import hashlib
 import ipaddress
 import os
 import re
+import shlex
 import signal
 import subprocess
+from collections.abc import Sequence
+from pathlib import Path
 
 from trainer.polling import poll
 
@@ -87,6 +90,20 @@ def add_node(ns: str, veth: str, peer: str, bridge: str, address: str) -> None:
     ip("-n", ns, "addr", "add", address, "dev", "eth0")
     ip("-n", ns, "link", "set", "eth0", "up")
     ip("-n", ns, "link", "set", "lo", "up")
+
+
+def on_node(ns: str, hostname: str, binds: Sequence[tuple[Path, Path]],
+            argv: Sequence[str]) -> list[str]:
+    """The command line that runs ``argv`` as a process of node ``ns``: in its network
+    namespace, with ``hostname`` and each (source, target) of ``binds`` mounted over its
+    target. `ip netns exec` gives the command a mount namespace of its own; unshare adds
+    the hostname's. What the command starts (an sshd's sessions, a slurmd's tasks)
+    inherits both."""
+    script = " && ".join(
+        [f"hostname {shlex.quote(hostname)}"]
+        + [f"mount --bind {shlex.quote(str(a))} {shlex.quote(str(b))}" for a, b in binds]
+        + [f"exec {shlex.join(argv)}"])
+    return ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", script]
 
 
 def namespaces(prefix: str) -> list[str]:

@@ -15,10 +15,10 @@ hostnames that resolve to their own address; so do these.
 from __future__ import annotations
 
 import pwd
-import shlex
 import subprocess
 from pathlib import Path
 
+from launch.local import netns
 from launch.ssh import new_key
 from trainer.polling import poll
 
@@ -60,15 +60,10 @@ def start(ns: str, node_dir: Path, hostname: str, workdir: Path, user: str) -> i
     ssh_dir(user).mkdir(mode=0o700, exist_ok=True)  # a mount point needs to exist
     binds = [(node_dir / "work", workdir), (node_dir / "ssh", ssh_dir(user)),
              (node_dir / "hosts", Path("/etc/hosts"))]
-    script = " && ".join(
-        [f"hostname {shlex.quote(hostname)}"]
-        + [f"mount --bind {shlex.quote(str(a))} {shlex.quote(str(b))}" for a, b in binds]
-        + [f"exec {SSHD} -f {shlex.quote(str(node_dir / 'sshd_config'))} "
-           f"-E {shlex.quote(str(node_dir / 'sshd.log'))}"])
-    # `ip netns exec` gives the command a mount namespace of its own; unshare adds the
-    # hostname's. sshd and every session it starts inherit both.
-    proc = subprocess.run(["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", script],
-                          capture_output=True, text=True)
+    # sshd and every session it starts see the node's hostname and paths.
+    proc = subprocess.run(netns.on_node(ns, hostname, binds, [
+        str(SSHD), "-f", str(node_dir / "sshd_config"), "-E", str(node_dir / "sshd.log")]),
+        capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"sshd in {ns} did not start: {proc.stderr.strip()}")
     pid_file = node_dir / "sshd.pid"

@@ -58,7 +58,7 @@ def run(cfg: DictConfig) -> int:
 
     engine = engines.create(cfg.engine, launch, device)
     try:
-        summary = _fit(cfg, engine, dataset, checkpoints, found)
+        summary = _fit(cfg, engine, dataset, checkpoints, found) | {"launcher": launch.launcher}
     except Preempted as e:
         log.warning("%s; exit %d: run again with resume=auto to continue", e, EXIT_PREEMPTED)
         _leave_note(engine, PREEMPTED, reason=e.reason, step=e.step, checkpoint=e.checkpoint)

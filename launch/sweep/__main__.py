@@ -11,6 +11,8 @@ launch.sweep`).
                                   there joins sweep.params, a plain value is fixed
     spotring up cluster=local nodes=2 && spotring sweep sweep.cluster=latest sweep.parallel=2
                                   one trial per node of the newest `spotring up` run
+    spotring sweep sweep.slurm=true sweep.parallel=8 sweep.nodes=2
+                                  each trial a SLURM job of 2 nodes, 8 queued at a time
 
 Run the same command again to continue a sweep that stopped (Ctrl-C, a crash, a lost
 machine): finished trials are kept, interrupted ones resume from their checkpoints.
@@ -117,6 +119,9 @@ def _slots(plan: config.Plan) -> list:
     from launch.sweep import slots
 
     cfg = plan.cfg.sweep
+    if cfg.slurm:
+        return slots.slurm_slots(cfg.parallel, cfg.nodes, cfg.workers, cfg.slurm_options,
+                                 cfg.name, cfg.hourly_price)
     if cfg.cluster is None:
         return slots.local_slots(cfg.parallel, cfg.workers, cfg.hourly_price)
     return slots.cluster_slots(cfg.cluster, cfg.runs_dir, cfg.parallel, cfg.nodes,

@@ -65,6 +65,10 @@ class SweepConfig:
     nodes: int = 1
     launcher: str = "torchrun"  # on a cluster: torchrun | horovodrun | mpirun
     runs_dir: str = "runs/launch"  # where cluster= looks for the run
+    # Each trial its own SLURM job (srun) of sweep.nodes nodes x sweep.workers tasks,
+    # sweep.parallel of them queued at a time; the sweep dir on storage the nodes share.
+    slurm: bool = False
+    slurm_options: list[str] = field(default_factory=list)  # e.g. [--partition=gpu]
 
 
 @dataclass
@@ -267,6 +271,9 @@ def plan(overrides: list[str], trainer_args: list[str]) -> Plan:
     if sweep.hourly_price is not None and sweep.hourly_price < 0:
         problems.append(f"sweep.hourly_price={sweep.hourly_price}: must be 0 or more")
     problems += filter(None, [one_of("sweep.launcher", sweep.launcher, LAUNCHERS)])
+    if sweep.slurm and sweep.cluster is not None:
+        problems.append(f"sweep.slurm=true with sweep.cluster={sweep.cluster}: trials run "
+                        "either as SLURM jobs or on a launched cluster; choose one")
     if problems:
         raise ConfigError("bad sweep:\n  - " + "\n  - ".join(problems))
     check_trials(args, space)

@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import tarfile
@@ -279,3 +280,54 @@ def _hosts_of_each_slice(ssh: Ssh, run: RunDir, workdir: str, slices: list[list[
                                mode=0o600))
 
     on_each([s[0] for s in slices], give)
+
+
+class SlurmAttempt(Attempt):
+    """A trial as its own SLURM job (srun, which allocates and runs it). Stopped through
+    SLURM: SIGTERM to the job's tasks (scancel --signal=TERM), which checkpoint and
+    leave; SIGTERM to srun itself would kill the step outright."""
+
+    def __init__(self, proc: subprocess.Popen, job_name: str) -> None:
+        super().__init__([proc], group=True)
+        self.job_name = job_name
+
+    def stop(self) -> None:
+        if self.poll() is None:
+            subprocess.run(["scancel", "--signal=TERM", f"--name={self.job_name}"],
+                           capture_output=True, timeout=60)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.procs[0].wait(timeout=STOP_GRACE_S)
+        if self.poll() is None:
+            subprocess.run(["scancel", f"--name={self.job_name}"], capture_output=True,
+                           timeout=60)
+        super().stop()
+
+
+class SlurmSlot(Slot):
+    """One trial at a time as a SLURM job of ``nodes`` nodes x ``workers`` tasks; SLURM
+    chooses the nodes. The run directory is here, on storage the nodes share."""
+
+    def __init__(self, index: int, nodes: int, workers: int, options: list[str],
+                 sweep_name: str, hourly_price: float | None) -> None:
+        self.label = f"SLURM slot {index} ({nodes} nodes x {workers} tasks)"
+        self.nodes, self.workers, self.options = nodes, workers, options
+        self.sweep_name, self.hourly_price = sweep_name, hourly_price
+
+    def start(self, trial_dir: Path, args: list[str], log: IO[bytes]) -> Attempt:
+        job_name = f"spotring-{self.sweep_name}-{trial_dir.name}"
+        argv = ["srun", f"--nodes={self.nodes}", f"--ntasks-per-node={self.workers}",
+                f"--job-name={job_name}", "--kill-on-bad-exit=1", *self.options,
+                *local_command("single", 1, [f"hydra.run.dir={trial_dir}", *args])]
+        proc = subprocess.Popen(argv, env=local_environment(), stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=_ends_with_sweep)
+        return SlurmAttempt(proc, job_name)
+
+
+def slurm_slots(parallel: int, nodes: int, workers: int, options: list[str],
+                sweep_name: str, hourly_price: float | None) -> list[Slot]:
+    if shutil.which("srun") is None:
+        raise ConfigError("sweep.slurm=true: srun is not on the PATH; run the sweep on a "
+                          "SLURM login node (or sweep.slurm=false: this machine's cores/GPUs)")
+    return [SlurmSlot(i, nodes, workers, list(options), sweep_name, hourly_price)
+            for i in range(parallel)]

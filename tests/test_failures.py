@@ -75,7 +75,8 @@ class Rank:
 def two_ranks(tmp_path):
     port = free_port()
     ranks = [Rank(r, 2, port, tmp_path / "run") for r in range(2)]
-    ranks[0].wait_for("step ")  # training is under way
+    ranks[0].wait_for(" workers x batch ")  # rank 0's first line of the training loop
+    time.sleep(1)  # a few steps into it
     yield ranks
     for rank in ranks:
         if rank.proc.poll() is None:

@@ -4,6 +4,7 @@
     spotring launch nodes=8 -- [TRAINER OVERRIDES]
     spotring up|run|status|down|cost    the launch steps one by one
     spotring sweep sweep=mnist_lr_wd    Optuna trials, several at once (conf/sweep/)
+    spotring sbatch nodes=2 -- ...      a SLURM batch job that survives preemption
     spotring bench|report|predict       scaling benchmarks, their report, the predictor
 
 Each subcommand's module is imported only when it runs, so that `spotring train` (the
@@ -25,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
               "train here: alone, or as the program torchrun, horovodrun, mpirun or srun "
               "starts (Hydra overrides)"),
     **{step: ("launch.__main__", "main", summary) for step, summary in STEPS.items()},
+    "sbatch": ("launch.slurm", "main",
+               "the trainer as a SLURM batch job: requeued after preemption, resumed"),
     "sweep": ("launch.sweep.__main__", "main",
               "many trials at once, searched by Optuna: hyperparameters, model families"),
     "bench": ("benchmarks.suite", "main",

@@ -130,7 +130,7 @@ class SlurmCluster:
             self._daemon(node.name, netns.on_node(
                 node.ns, node.name, [(self.dir / "hosts", Path("/etc/hosts"))],
                 ["slurmd", "-D", "-f", str(self.conf), "-N", node.name]))
-        self._wait(self._idle, f"sinfo: {self.count} nodes idle", timeout_s)
+        self.wait_idle(timeout_s)
 
     def _network(self) -> None:
         subnet = netns.free_subnet("10.213.0.0/16", self.run_id)
@@ -179,10 +179,13 @@ class SlurmCluster:
         except (TimeoutError, RuntimeError) as e:
             raise RuntimeError(f"{e}\n{self.logs()}") from None
 
-    def _idle(self) -> bool | None:
+    def _states(self) -> dict[str, str]:
+        """sinfo's state of each node: idle, alloc, drain, idle* (not answering)..."""
         out = self.run("sinfo", "--noheader", "--Node", "--format=%N %t", check=False).stdout
-        states = dict(line.split() for line in out.splitlines() if line.strip())
-        return states == {n.name: "idle" for n in self.nodes} or None
+        return dict(line.split() for line in out.splitlines() if line.strip())
+
+    def _idle(self) -> bool | None:
+        return self._states() == {n.name: "idle" for n in self.nodes} or None
 
     def run(self, *argv: str, check: bool = True, timeout: float = 30
             ) -> subprocess.CompletedProcess:
@@ -192,6 +195,23 @@ class SlurmCluster:
         if check and proc.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)}: exit {proc.returncode}: {proc.stderr}")
         return proc
+
+    @contextmanager
+    def drained(self, node: str, timeout_s: float = 30) -> Iterator[None]:
+        """``node`` drained for the block (its job runs on, no new one starts there), then
+        back in service: idle and answering, as the next test expects."""
+        self.run("scontrol", "update", f"nodename={node}", "state=drain", "reason=test")
+        try:
+            yield
+        finally:
+            self.run("scontrol", "update", f"nodename={node}", "state=resume")
+            self._wait(lambda: self._states().get(node) == "idle" or None,
+                       f"sinfo: {node} idle again", timeout_s)
+
+    def wait_idle(self, timeout_s: float = 30) -> None:
+        """Until every node is idle: the last job's nodes done completing, a resumed node
+        answering again."""
+        self._wait(self._idle, f"sinfo: {self.count} nodes idle", timeout_s)
 
     def logs(self, tail: int = 15) -> str:
         """The last lines of every daemon's log, for a failure message."""

@@ -22,8 +22,8 @@ def spotring(*args: str, cwd=REPO, timeout: float = 120) -> subprocess.Completed
 def test_help_lists_every_subcommand_with_a_line():
     proc = spotring("--help")
     assert proc.returncode == 0, proc.stderr
-    for name in ("train", "launch", "up", "run", "status", "down", "cost", "sweep", "bench",
-                 "report", "predict"):
+    for name in ("train", "launch", "up", "run", "status", "down", "cost", "sweep", "sbatch",
+                 "bench", "report", "predict"):
         assert any(line.split()[:1] == [name] and len(line.split()) > 2
                    for line in proc.stdout.splitlines()), f"{name} missing:\n{proc.stdout}"
 
@@ -35,7 +35,7 @@ def test_an_unknown_subcommand_exits_2_naming_the_valid_ones():
 
 
 @pytest.mark.parametrize("command", ["train", "launch", "up", "run", "status", "down", "cost",
-                                     "sweep", "bench", "report", "predict"])
+                                     "sweep", "sbatch", "bench", "report", "predict"])
 def test_every_subcommand_answers_help(command):
     proc = spotring(command, "--help")
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,16 +1,31 @@
 """SLURM for real (issue 26): a controller, munge and a slurmd in each of 2 network
-namespaces (tests/slurm.py), and the trainer started with srun across them."""
+namespaces (tests/slurm.py), the trainer started with srun across them, and the jobs of
+`spotring sbatch` preempted, requeued and resumed."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
+from launch import slurm as sbatch
 from launch.commands import local_environment
 from tests import slurm
 from tests.conftest import PARITY, QUICK, REPO, Run, assert_close
+from tests.test_sweep import load, run_sweep, table_row
+from trainer.exits import EXIT_CONFIG
+from trainer.polling import poll
+
+T = TypeVar("T")
 
 WHY_NOT = slurm.unavailable()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
@@ -48,3 +63,199 @@ def test_srun_across_two_nodes_takes_the_steps_of_torchrun(cluster, tmp_path, dd
     assert run.summary["world_size"] == 2 and run.summary["global_batch"] == 64
     assert run.summary["steps"] == ddp_2x32.summary["steps"] == 20
     assert_close(run.params(), ddp_2x32.params(), rtol=1e-10)
+
+
+# The parity run of ddp_2x32, as a SLURM job. An evaluation after every step (it changes
+# no parameter) makes a step take ~0.3 s here instead of 25 ms: long enough for a signal
+# to land mid-run.
+JOB = [*QUICK, *PARITY, "train.batch_size=32", "train.eval_every_steps=1"]
+
+
+class Job:
+    """A job of `spotring sbatch`, submitted and watched as its user would: squeue, the
+    run directory, RUN_DIR/slurm-JOBID.out."""
+
+    def __init__(self, cluster: slurm.SlurmCluster, run_dir: Path, *ours: str,
+                 trainer: tuple[str, ...] = ()) -> None:
+        self.cluster, self.dir = cluster, run_dir
+        proc = subprocess.run(
+            [sys.executable, "-m", "spotring", "sbatch", f"run_dir={run_dir}",
+             "job_name=test", *ours, "--", *JOB, *trainer], cwd=REPO, capture_output=True,
+            text=True, timeout=60, env=local_environment(**cluster.env))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        self.id = int(re.search(r"submitted job (\d+)", proc.stdout)[1])
+
+    def log(self) -> str:
+        path = self.dir / f"slurm-{self.id}.out"
+        return path.read_text(errors="replace") if path.exists() else "(no log yet)"
+
+    def state(self) -> str:
+        """squeue's state of the job (RUNNING, PENDING...); "" once it is gone."""
+        return self.cluster.run("squeue", "--noheader", f"--jobs={self.id}", "--format=%T",
+                                check=False).stdout.strip()
+
+    def steps(self) -> list[int]:
+        """The steps of the checkpoints on disk."""
+        return sorted(int(p.stem.split("-")[1])
+                      for p in (self.dir / "checkpoints").glob("ckpt-*.pt"))
+
+    def wait(self, check: Callable[[], T | None], what: str, timeout_s: float = 60,
+             queued: bool = True) -> T:
+        """The first value of ``check`` that is not None; a failure with the job's log and
+        the daemons' if none comes in time, or (``queued``) the job ends first."""
+        def step() -> T | None:
+            value = check()
+            if value is None and queued and not self.state():
+                raise TimeoutError(f"{what}: the job ended first")
+            return value
+        try:
+            return poll(step, timeout_s=timeout_s, interval_s=0.1, what=what)
+        except TimeoutError as e:
+            raise AssertionError(f"job {self.id}: {e}; squeue: {self.state() or 'gone'}\n"
+                                 f"{self.log()[-6000:]}\n{self.cluster.logs()}") from None
+
+    def wait_for_steps(self, count: int) -> None:
+        self.wait(lambda: len(self.steps()) >= count or None, f"{count} checkpoints")
+
+    def finish(self, timeout_s: float = 90) -> Run:
+        self.wait(lambda: self.state() == "" or None, "the job's end", timeout_s, queued=False)
+        run = Run(self.dir, subprocess.CompletedProcess([], 0, self.log(), ""))
+        assert (self.dir / "summary.json").exists(), f"{run.output[-6000:]}\n{self.cluster.logs()}"
+        return run
+
+    def cancel(self) -> None:
+        """Gone, whatever state the test left it in (so that the next test has the nodes)."""
+        if self.state():
+            self.cluster.run("scancel", str(self.id), check=False)
+            self.wait(lambda: self.state() == "" or None, "the cancelled job's end", 30,
+                      queued=False)
+
+
+@pytest.fixture
+def submit(cluster, tmp_path):
+    jobs: list[Job] = []
+
+    def _submit(*ours: str, trainer: tuple[str, ...] = ()) -> Job:
+        cluster.wait_idle()  # all nodes free: a job of min_nodes=1 gets them all
+        jobs.append(Job(cluster, tmp_path / "job", *ours, trainer=trainer))
+        return jobs[-1]
+    yield _submit
+    for job in jobs:
+        job.cancel()
+
+
+def ranks(run_dir: Path) -> dict[int, int]:
+    """{SLURM_PROCID: pid} of the trainer processes of the run in ``run_dir``."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
+            if b"trainer" in argv and f"hydra.run.dir={run_dir}".encode() in argv:
+                env = dict(v.split(b"=", 1) for v in (proc / "environ").read_bytes().split(b"\0")
+                           if b"=" in v)
+                found[int(env[b"SLURM_PROCID"])] = int(proc.name)
+        except (OSError, KeyError):  # ended meanwhile, or not a task of srun
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_scancel_term_checkpoints_requeues_and_resumes_to_the_same_parameters(
+        cluster, submit, ddp_2x32):
+    job = submit("nodes=2")
+    job.wait_for_steps(3)
+    signalled = time.time()
+    cluster.run("scancel", "--signal=TERM", str(job.id))
+    note = job.dir / "preempted.json"
+    stopped = job.wait(lambda: note.exists() and json.loads(note.read_text())["step"] or None,
+                       "rank 0's preempted.json")
+    to_disk = (job.dir / "checkpoints" / f"ckpt-{stopped:09d}.pt").stat().st_mtime - signalled
+    job.wait(lambda: job.state() not in ("RUNNING", "COMPLETING") or None, "the requeue")
+    requeued = time.time()
+    first = job.dir / "checkpoints" / f"ckpt-{stopped + 1:09d}.pt"
+    job.wait(lambda: first.exists() or None, "the first step of the resumed job")
+    to_step = first.stat().st_mtime - requeued
+    run = job.finish()
+    figures = (f"scancel --signal=TERM to the checkpoint of step {stopped} on disk: "
+               f"{to_disk:.2f} s; requeue to the first step of the resumed job: {to_step:.1f} s")
+    print(f"\n{figures}")
+    assert "srun exit 75" in run.output and "requeueing job" in run.output, run.output
+    assert f"job {job.id} (restart 1) on 2 nodes" in run.output, run.output
+    assert f"resumed at step {stopped}" in run.output, run.output
+    assert run.summary["resumed_from"].endswith(f"ckpt-{stopped:09d}.pt")
+    assert run.summary["steps"] == 20 and run.summary["world_size"] == 2, run.summary
+    assert 3 <= stopped < 20 and to_disk < 5, figures
+    assert_close(run.params(), ddp_2x32.params(), rtol=1e-10)
+
+
+@pytest.mark.slow
+def test_a_job_requeued_onto_fewer_nodes_keeps_the_global_batch(cluster, submit, ddp_2x32):
+    job = submit("nodes=2", "min_nodes=1")
+    job.wait_for_steps(3)
+    assert "(restart 0) on 2 nodes" in job.log(), job.log()  # all the free nodes
+    with cluster.drained("node-1"):
+        cluster.run("scancel", "--signal=TERM", str(job.id))
+        run = job.finish()
+    assert "(restart 1) on 1 nodes: node-0, train.accumulation=2" in run.output, run.output
+    assert "resumed at step" in run.output, run.output
+    assert run.summary["world_size"] == 1 and run.summary["accumulation"] == 2
+    assert run.summary["global_batch"] == ddp_2x32.summary["global_batch"] == 64
+    assert run.summary["steps"] == 20 and run.summary["resumed_from"]
+    assert_close(run.params(), ddp_2x32.params(), rtol=1e-10)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_the_job_in_bounded_time_and_it_resumes(cluster, submit, ddp_2x32):
+    job = submit("nodes=2", trainer=("engine.timeout_s=20",))
+    job.wait_for_steps(3)
+    os.kill(job.wait(lambda: ranks(job.dir).get(1), "rank 1's process"), signal.SIGKILL)
+    killed, last = time.monotonic(), max(job.steps())
+    job.wait(lambda: job.state() not in ("RUNNING", "COMPLETING") or None, "the requeue", 30)
+    ended = time.monotonic() - killed
+    run = job.finish()
+    print(f"\nrank 1 SIGKILLed: the job requeued {ended:.1f} s later")
+    # srun: the highest status of its tasks, 128 + 9 for the one SIGKILLed.
+    assert "srun exit 137" in run.output and "requeueing job" in run.output, run.output
+    match = re.search(r"resumed at step (\d+)", run.output)
+    assert match and int(match[1]) >= last, run.output
+    assert run.summary["steps"] == 20 and run.summary["world_size"] == 2
+    assert_close(run.params(), ddp_2x32.params(), rtol=1e-10)
+
+
+@pytest.mark.parametrize("ours, trainer, says", [
+    (["nodes=1"], [], "sbatch is not on the PATH"),
+    (["nodes=1", "gpus_per_node=2", "tasks_per_node=4"], [], "one task per GPU"),
+    (["nodes=1", "partition=nosuch"], [], "nosuch"),
+    (["nodes=1"], ["optim.lr=abc"], "optim.lr"),
+], ids=["no-sbatch", "tasks-per-gpu", "partition", "trainer-override"])
+def test_bad_input_exits_2_and_submits_nothing(cluster, tmp_path, monkeypatch, capsys,
+                                               ours, trainer, says):
+    monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
+    queued = cluster.run("squeue", "--noheader").stdout
+    if "sbatch is not" in says:
+        monkeypatch.setenv("PATH", str(tmp_path))  # no SLURM here
+    run_dir = tmp_path / "job"
+    code = sbatch.main([f"run_dir={run_dir}", *ours, "--", *trainer])
+    err = capsys.readouterr().err
+    monkeypatch.undo()
+    assert code == EXIT_CONFIG and says in err, err
+    assert cluster.run("squeue", "--noheader").stdout == queued and not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_a_sweep_runs_each_trial_as_a_slurm_job(cluster, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    output = run_sweep(sweep_dir, "sweep=custom", "sweep.name=queued", "sweep.slurm=true",
+                       "sweep.parallel=2", "sweep.trials=2", "sweep.sampler=grid",
+                       trainer=("optim.lr=choice(0.05,0.1)", "train.epochs=0.02"),
+                       env=cluster.env)
+    study = load(sweep_dir, "queued")
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"], output
+    report = (sweep_dir / "sweep_report.md").read_text()
+    for t in study.trials:
+        # Started by srun, in a job of its own, and in the report.
+        summary = json.loads((sweep_dir / "trials" / f"{t.number:03d}" / "summary.json")
+                             .read_text())
+        assert summary["launcher"] == "slurm"
+        assert table_row(report, t.number)[1] == "complete"
+        assert f"{100 * summary['test_accuracy']:.2f}" in table_row(report, t.number)

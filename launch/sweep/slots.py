@@ -316,7 +316,7 @@ class SlurmSlot(Slot):
     def start(self, trial_dir: Path, args: list[str], log: IO[bytes]) -> Attempt:
         job_name = f"spotring-{self.sweep_name}-{trial_dir.name}"
         argv = ["srun", f"--nodes={self.nodes}", f"--ntasks-per-node={self.workers}",
-                f"--job-name={job_name}", "--kill-on-bad-exit=1", *self.options,
+                f"--job-name={job_name}", "--kill-on-bad-exit=0", *self.options,
                 *local_command("single", 1, [f"hydra.run.dir={trial_dir}", *args])]
         proc = subprocess.Popen(argv, env=local_environment(), stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

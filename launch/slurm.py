@@ -1,0 +1,230 @@
+"""spotring sbatch: the trainer as a SLURM batch job that survives preemption.
+
+    spotring sbatch nodes=2 gpus_per_node=8 partition=gpu time=12:00:00 -- dataset=cifar10
+    spotring sbatch nodes=4 min_nodes=2 -- ...    may come back on 2 to 4 nodes after a
+                                                  requeue, with the same global batch
+    spotring sbatch nodes=2 --dry-run             print the script; submit nothing
+
+It writes RUN_DIR/sbatch.sh (run_dir: runs/slurm/JOB_NAME, which must be on storage every
+node shares, or give the trainer checkpoint.uri=s3://...) and submits it. The script
+asks SLURM for:
+
+    --requeue               a job whose node failed (NODE_FAIL) goes back in the queue
+    --signal=TERM@S         SIGTERM to every task S seconds before the time limit
+    --open-mode=append      one log, RUN_DIR/slurm-JOBID.out, across requeues
+    --nodes=MIN-MAX         with min_nodes; per node --mincpus=TASKS rather than
+                            --ntasks-per-node, which would start it on MIN nodes
+
+and runs `srun python -m trainer resume=auto ...`: one task per GPU (or tasks_per_node
+on CPUs), the process group formed from SLURM's variables (trainer/runtime.py). SIGTERM,
+from the time limit, `scancel --signal=TERM JOBID` or a preempting partition, is a spot
+notice to the trainer: a checkpoint at once, exit 75, and the script requeues the job,
+which resumes from the checkpoint (also after a lost rank; up to max_restarts times); on
+fewer nodes it raises train.accumulation to keep the global batch where the node counts
+divide. A signal for the batch shell (`--signal=B:...`, `scancel --full`) would end srun
+and the job with it: the signal goes to the tasks, which is SLURM's default.
+
+srun returns the highest exit status of its tasks (128+N for a task ended by signal N).
+It runs with --kill-on-bad-exit=0: a rank that exits 75 first must not have srun SIGTERM
+the others while they shut down (they would die of it, 143, and the job would not be
+requeued); a lost rank makes the others exit 69 by themselves, within engine.timeout_s.
+So a rank SIGKILLed (the OOM killer, kill -9) comes back as 137, a rank that saw its peer
+go as 69: both are requeued, as 75 is. Not 2 (bad input), 1 (a crash), 65 (diverged) or
+143 (a task ended by SIGTERM before it could catch it). A crash of one rank can still
+come back as 69 from the others: it is requeued, max_restarts times at most.
+
+Bad input exits 2 before anything is submitted: no sbatch here, more tasks per node than
+GPUs, an option or partition SLURM refuses (`sbatch --test-only` says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig
+
+from launch.commands import LAUNCHER_ENV
+from trainer import config as trainer_config
+from trainer.config import ConfigError, compose_checked
+from trainer.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_PEER_LOST, EXIT_PREEMPTED
+
+# srun's status when a task was SIGKILLed (128 + 9): a rank lost, as 69 is from a rank
+# that saw its peer go.
+EXIT_KILLED = 137
+REQUEUE = (EXIT_PREEMPTED, EXIT_PEER_LOST, EXIT_KILLED)
+
+log = logging.getLogger("launch")
+
+
+@dataclass
+class SbatchConfig:
+    nodes: int = 1
+    min_nodes: int | None = None  # may restart on as few as this many nodes
+    gpus_per_node: int = 0  # 0: CPU nodes
+    tasks_per_node: int | None = None  # default: gpus_per_node, or 1 on CPUs
+    partition: str | None = None
+    time: str | None = None  # the time limit, as sbatch takes it (HH:MM:SS, D-HH:MM)
+    signal_s: int = 120  # SIGTERM this long before the time limit: a checkpoint in time
+    job_name: str = "spotring"
+    run_dir: str = "runs/slurm/${job_name}"  # on storage every node shares
+    options: list[str] = field(default_factory=list)  # more sbatch options: [--account=x]
+    # Requeues after a preemption (exit 75) or a lost rank (69) before the job gives up.
+    # A node that fails outright (NODE_FAIL) is requeued by SLURM itself.
+    max_restarts: int = 3
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="sbatch_schema", node=SbatchConfig)
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    register()
+    return compose_checked("sbatch", overrides,
+                           "The keys: spotring sbatch --help (launch/slurm.py).")
+
+
+def script(cfg: DictConfig, trainer_args: list[str], python: str, workdir: Path) -> str:
+    """The batch script, in full."""
+    tasks = cfg.tasks_per_node or cfg.gpus_per_node or 1
+    run_dir = Path(cfg.run_dir).resolve()
+    accumulation = trainer_config.compose(trainer_args).train.accumulation
+    if cfg.min_nodes:
+        # A node range with --ntasks-per-node starts on min_nodes nodes (SLURM counts the
+        # tasks at submission: min_nodes x tasks). Asked per node instead, it gets as many
+        # nodes as are free; srun starts the tasks.
+        nodes = [f"#SBATCH --nodes={cfg.min_nodes}-{cfg.nodes}", f"#SBATCH --mincpus={tasks}"]
+    else:
+        nodes = [f"#SBATCH --nodes={cfg.nodes}", f"#SBATCH --ntasks-per-node={tasks}"]
+    lines = ["#!/bin/bash",
+             f"# Written by `spotring sbatch`; submit it again: sbatch {run_dir}/sbatch.sh",
+             f"#SBATCH --job-name={cfg.job_name}", *nodes, "#SBATCH --requeue",
+             f"#SBATCH --signal=TERM@{cfg.signal_s}", "#SBATCH --open-mode=append",
+             f"#SBATCH --output={run_dir}/slurm-%j.out"]
+    if cfg.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={cfg.gpus_per_node}")
+    if cfg.partition:
+        lines.append(f"#SBATCH --partition={cfg.partition}")
+    if cfg.time:
+        lines.append(f"#SBATCH --time={cfg.time}")
+    lines += [f"#SBATCH {option}" for option in cfg.options]
+    args = shlex.join([f"hydra.run.dir={run_dir}", "resume=auto", *trainer_args])
+    lines += [
+        "",
+        f"cd {shlex.quote(str(workdir))}",
+        *(f"export {k}={v}" for k, v in LAUNCHER_ENV.items()),
+        "# On fewer nodes than asked for (after a requeue): the same global batch, through",
+        "# more micro-steps per optimizer step, where the node counts divide.",
+        f"accumulation={accumulation}",
+        f"if (( {cfg.nodes} * {accumulation} % SLURM_JOB_NUM_NODES == 0 )); then",
+        f"    accumulation=$(( {cfg.nodes} * {accumulation} / SLURM_JOB_NUM_NODES ))",
+        "fi",
+        'echo "$(date "+%F %T") spotring sbatch: job $SLURM_JOB_ID (restart '
+        '${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NUM_NODES nodes: $SLURM_JOB_NODELIST, '
+        'train.accumulation=$accumulation"',
+        f"srun --ntasks-per-node={tasks} --kill-on-bad-exit=0 {shlex.quote(python)} -m trainer "
+        f"{args} train.accumulation=$accumulation",
+        "code=$?",
+        'echo "$(date "+%F %T") spotring sbatch: srun exit $code"',
+        "# 75: preempted, after a checkpoint; 69 or 137 (a task SIGKILLed): a rank lost.",
+        f"if (( ({' || '.join(f'code == {c}' for c in REQUEUE)}) && "
+        f"${{SLURM_RESTART_COUNT:-0}} < {cfg.max_restarts} )); then",
+        '    echo "$(date "+%F %T") spotring sbatch: requeueing job $SLURM_JOB_ID to resume '
+        'from its last checkpoint"',
+        "    scontrol requeue $SLURM_JOB_ID",
+        "fi",
+        "exit $code",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def check(cfg: DictConfig, trainer_args: list[str]) -> None:
+    """Everything that can be told before submitting; raises ConfigError."""
+    problems = []
+    for key in ("nodes", "signal_s"):
+        if cfg[key] < 1:
+            problems.append(f"{key}={cfg[key]}: must be 1 or more")
+    if cfg.max_restarts < 0:
+        problems.append(f"max_restarts={cfg.max_restarts}: must be 0 or more")
+    if cfg.min_nodes is not None and not 1 <= cfg.min_nodes <= cfg.nodes:
+        problems.append(f"min_nodes={cfg.min_nodes}: must be 1 to nodes={cfg.nodes}")
+    if cfg.gpus_per_node < 0:
+        problems.append(f"gpus_per_node={cfg.gpus_per_node}: must be 0 (CPUs) or more")
+    if cfg.tasks_per_node is not None and cfg.gpus_per_node and \
+            cfg.tasks_per_node > cfg.gpus_per_node:
+        problems.append(f"tasks_per_node={cfg.tasks_per_node} with gpus_per_node="
+                        f"{cfg.gpus_per_node}: one task per GPU at most (NCCL takes one "
+                        f"GPU per rank); valid: 1 to {cfg.gpus_per_node}")
+    if problems:
+        raise ConfigError("bad sbatch settings:\n  - " + "\n  - ".join(problems))
+    trainer_config.validate(trainer_config.compose(trainer_args))
+
+
+def submit(text: str, run_dir: Path, dry_run: bool) -> int:
+    """sbatch --test-only first (SLURM's verdict on the options, nothing queued), then the
+    script into run_dir and sbatch. Returns the job id (0 for a dry run)."""
+    if dry_run:
+        print(text, end="")
+        return 0
+    if shutil.which("sbatch") is None:
+        raise ConfigError("sbatch is not on the PATH: run spotring sbatch on a SLURM login "
+                          "node (or install SLURM's client, e.g. apt-get install "
+                          "slurm-client, with a slurm.conf that names your cluster)")
+    with tempfile.NamedTemporaryFile("w", suffix=".sh") as tmp:
+        tmp.write(text)
+        tmp.flush()
+        test = subprocess.run(["sbatch", "--test-only", tmp.name], capture_output=True,
+                              text=True, timeout=60)
+    if test.returncode != 0:
+        raise ConfigError(f"SLURM refuses the job: {test.stderr.strip() or test.stdout}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "sbatch.sh"
+    path.write_text(text)
+    proc = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True,
+                          timeout=60)
+    if proc.returncode != 0:
+        raise RuntimeError(f"sbatch {path}: {proc.stderr.strip()}")
+    return int(proc.stdout.strip().split(";")[0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ours, trainer_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) \
+        if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(prog="spotring sbatch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the script; submit nothing")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="nodes=, min_nodes=, gpus_per_node=, tasks_per_node=, partition=, "
+                             "time=, signal_s=, job_name=, run_dir=, options=[...]")
+    try:
+        args = parser.parse_args(ours)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 0
+    try:
+        cfg = compose(args.overrides)
+        check(cfg, trainer_args)
+        text = script(cfg, trainer_args, sys.executable, Path.cwd())
+        job = submit(text, Path(cfg.run_dir).resolve(), args.dry_run)
+    except ConfigError as e:
+        print(f"spotring sbatch: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        print(f"spotring sbatch: failed: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    if job:
+        run_dir = Path(cfg.run_dir).resolve()
+        print(f"spotring sbatch: submitted job {job} ({cfg.nodes} nodes); follow it with "
+              f"`squeue -j {job}` and `tail -f {run_dir}/slurm-{job}.out`; stop it with "
+              f"`scancel {job}` (or `scancel --signal=TERM {job}`: a checkpoint, a requeue)")
+    return 0

@@ -152,7 +152,10 @@ def test_hung_worker_under_mpi_allreduce_is_caught_by_the_timeout(tmp_path):
         # output ended with exit code 69 but without the line (mpirun, we think, ended the
         # job before forwarding the last line of a rank that left with os._exit).
         log = (run_dir / "train.log").read_text()
-        assert "MPI allreduce" in log and "timed out" in log and "lost rank 1" in log, \
+        # Whichever collective rank 0 waits in when the timeout strikes: the gradients'
+        # MPI allreduce, or the spot-notice vote and metrics that still travel by Gloo.
+        assert "lost rank 1" in log, (log, output)
+        assert ("MPI allreduce" in log and "timed out" in log) or "Timed out waiting" in log, \
             (log, output)
     finally:
         if proc.poll() is None:

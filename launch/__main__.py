@@ -41,6 +41,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from launch import STEPS, config
 from launch.clusters import provider_for
+from launch.console import interrupt_on_termination, log_to, split_trainer_args
 from launch.cost import after_run, hourly
 from launch.down import down
 from launch.plan import plan
@@ -86,17 +87,14 @@ def main(argv: list[str] | None = None, prog: str = "spotring") -> int:
     """Run one subcommand: ``argv`` is [subcommand, arguments...], ``prog`` what help and
     error messages call the program. Returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    ours, trainer_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) \
-        if "--" in argv else (argv, [])
+    ours, trainer_args = split_trainer_args(argv)
     try:
         args = _parse(prog, ours, trainer_args)
     except SystemExit as e:  # --help (0) or a usage error (2), printed by argparse
         return e.code if isinstance(e.code, int) else 0
     name = f"{prog} {args.command}"
-    _log_to(sys.stdout)
-    # A closed terminal or a `kill` tears down like Ctrl-C does.
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _interrupt)
+    log_to(sys.stdout)
+    interrupt_on_termination()  # a closed terminal or a `kill` tears down too
     try:
         return _command(args, trainer_args)
     except ConfigError as e:
@@ -152,19 +150,6 @@ def _overrides_help(keys: list[str]) -> str:
                                        initial_indent=f"    {cluster + ':':<10}",
                                        subsequent_indent=" " * 14))
     return "\n".join(lines)
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
-def _log_to(stream) -> None:
-    """The launcher's lines, plain, on stdout; other libraries' (boto3) stay quiet."""
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    log.handlers = [handler]
-    log.setLevel(logging.INFO)
-    log.propagate = False
 
 
 def _command(args: argparse.Namespace, trainer_args: list[str]) -> int:

@@ -53,6 +53,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
 from launch.commands import LAUNCHER_ENV
+from launch.console import split_trainer_args
 from trainer import config as trainer_config
 from trainer.config import ConfigError, compose_checked
 from trainer.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_PEER_LOST, EXIT_PREEMPTED
@@ -198,8 +199,7 @@ def submit(text: str, run_dir: Path, dry_run: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    ours, trainer_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) \
-        if "--" in argv else (argv, [])
+    ours, trainer_args = split_trainer_args(argv)
     parser = argparse.ArgumentParser(prog="spotring sbatch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true",

@@ -30,12 +30,12 @@ import argparse
 import fcntl
 import logging
 import shlex
-import signal
 import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from launch.console import interrupt_on_termination, log_to, split_trainer_args
 from launch.sweep import config
 from trainer.config import ConfigError
 from trainer.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED
@@ -45,8 +45,7 @@ log = logging.getLogger("launch")
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    ours, trainer_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) \
-        if "--" in argv else (argv, [])
+    ours, trainer_args = split_trainer_args(argv)
     parser = argparse.ArgumentParser(
         prog="spotring sweep", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,10 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(ours)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 0
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    log.handlers, log.propagate = [handler], False
-    log.setLevel(logging.INFO)
+    log_to(sys.stdout)
     command = shlex.join(["spotring", "sweep", *argv])
     try:
         return sweep(args.overrides, trainer_args, command)
@@ -97,8 +93,7 @@ def sweep(overrides: list[str], trainer_args: list[str], command: str) -> int:
                  " and ".join(f"{d} {m}" for m, d in plan.objectives.items()), len(slots),
                  "; ".join(s.label for s in slots))
         runner = Runner(plan, study, slots, sweep_dir, uri)
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, _interrupt)
+        interrupt_on_termination()
         code = EXIT_OK
         try:
             runner.run()
@@ -126,10 +121,6 @@ def _slots(plan: config.Plan) -> list:
         return slots.local_slots(cfg.parallel, cfg.workers, cfg.hourly_price)
     return slots.cluster_slots(cfg.cluster, cfg.runs_dir, cfg.parallel, cfg.nodes,
                                cfg.launcher, cfg.name, cfg.hourly_price)
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

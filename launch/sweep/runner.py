@@ -35,7 +35,7 @@ from optuna.trial import TrialState
 from launch.job_command import NOTES
 from launch.sweep import report
 from launch.sweep.config import PRUNABLE, Plan
-from launch.sweep.slots import Attempt, Slot
+from launch.sweep.slots import TRIAL_LOG, Attempt, Slot
 from launch.sweep.study import Study
 from trainer.exits import DIVERGED, EXIT_CONFIG
 from trainer.stores import write_atomic
@@ -123,7 +123,8 @@ class Runner:
         trial_dir = self.trial_dir(trial.number)
         trial_dir.mkdir(parents=True, exist_ok=True)
         frozen = self.study.study.trials[trial.number]
-        out = open(trial_dir / "trial.log", "ab")  # noqa: SIM115 - closed in _finish
+        out = open(trial_dir / TRIAL_LOG, "ab")  # noqa: SIM115 - closed in _finish
+        params = " ".join(f"{k}={v}" for k, v in self._params(trial.params).items())
         if (trial_dir / "summary.json").exists():
             attempt = Attempt([], group=False)  # it ended as the sweep stopped: tell only
         else:
@@ -137,7 +138,7 @@ class Runner:
         log.info("sweep: trial %d %s on %s: %s%s", trial.number,
                  "resumes" if any(trial_dir.glob("checkpoints/ckpt-*.json")) else "starts",
                  slot.label,
-                 " ".join(self._args(trial)[-len(self.plan.params):]),
+                 params,
                  f" (retry {retry} of {self.plan.cfg.sweep.max_retries})" if retry else "")
 
     def _poll(self, running: Running) -> None:
@@ -196,7 +197,7 @@ class Runner:
                                 f"{diverged['loss']})", state=TrialState.FAIL)
         elif code == EXIT_CONFIG:
             self._tell(running, f"the trainer refused its configuration (see "
-                                f"{trial_dir / 'trial.log'})", state=TrialState.FAIL)
+                                f"{trial_dir / TRIAL_LOG})", state=TrialState.FAIL)
         elif restarts < sweep.max_retries:
             running.trial.set_user_attr("restarts", restarts + 1)
             running.trial.set_user_attr("note", f"exit {code}; resumed from its checkpoint")
@@ -205,7 +206,7 @@ class Runner:
             self.resume.appendleft(number)
         else:
             self._tell(running, f"exit {code} after {restarts} retries (see "
-                                f"{trial_dir / 'trial.log'})", state=TrialState.FAIL)
+                                f"{trial_dir / TRIAL_LOG})", state=TrialState.FAIL)
 
     def _tell(self, running: Running, note: str, values: list[float] | None = None,
               state: TrialState | None = None) -> None:

@@ -20,7 +20,8 @@ import torch
 from launch.commands import local_command, local_environment
 from tests.conftest import QUICK, REPO, Run, assert_close, run_trainer
 from tests.imds import MetadataStub
-from trainer.checkpoint import Checkpoints, find_resume
+from trainer.checkpoint import CheckpointNotSaved, Checkpoints, find_resume
+from trainer.preemption import NOTICE_SECONDS
 
 # 4800 synthetic samples, 2 workers x 32: 75 steps per epoch, 2 epochs; long enough
 # for a notice to arrive mid-run, short enough for the suite.
@@ -32,12 +33,14 @@ RUN = ["dataset=synthetic", "dataset.shape=[1,28,28]", f"dataset.train_size={SAM
 
 
 class Job:
-    """A 2-rank mpirun job (mpirun passes the ranks' exit code on), watched as it runs."""
+    """A job watched as it runs: 2 ranks under mpirun (which passes the ranks' exit code
+    on) unless told otherwise."""
 
-    def __init__(self, run_dir: Path, overrides: list[str], env: dict[str, str]) -> None:
+    def __init__(self, run_dir: Path, overrides: list[str], env: dict[str, str],
+                 launcher: str = "mpirun", nproc: int = 2) -> None:
         self.run_dir = run_dir
         args = [f"hydra.run.dir={run_dir}", *QUICK, *RUN, "train.batch_size=32", *overrides]
-        self.proc = subprocess.Popen(local_command("mpirun", 2, args), cwd=REPO,
+        self.proc = subprocess.Popen(local_command(launcher, nproc, args), cwd=REPO,
                                      env=local_environment(**env), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
@@ -137,14 +140,14 @@ def test_kill_9_without_notice_loses_at_most_every_steps(tmp_path, train):
 # ------------------------------------------------------------------------------- S3
 
 
-def big_state(step: int) -> dict:
-    # 40 MB: uploaded in three parts of 16 MB (stores.PART_BYTES).
-    return {"model": {"w": torch.full((10 * 1024 * 1024,), float(step))}, "step": step}
+def big_state(step: int, numel: int = 10 * 1024 * 1024) -> dict:
+    # 40 MB by default: uploaded in three parts of 16 MB (stores.PART_BYTES).
+    return {"model": {"w": torch.full((numel,), float(step))}, "step": step}
 
 
-def save(checkpoints: Checkpoints, step: int) -> None:
-    checkpoints.save(big_state(step), {"step": step, "epoch": 0, "offset": 0,
-                                       "model": {"name": "convnet"}, "dataset": "mnist"})
+def save(checkpoints: Checkpoints, step: int, **state) -> None:
+    checkpoints.save(big_state(step, **state), {"step": step, "epoch": 0, "offset": 0,
+                                                "model": {"name": "convnet"}, "dataset": "mnist"})
 
 
 def test_s3_checkpoints_resume_on_a_new_node_and_a_cut_upload_is_never_picked(tmp_path, s3):
@@ -206,19 +209,6 @@ def test_unreachable_bucket_fails_before_training(tmp_path, s3):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_sigterm_handler_is_restored(monkeypatch):
-    from omegaconf import OmegaConf
-
-    from trainer.preemption import Preemption
-
-    before = signal.getsignal(signal.SIGTERM)
-    cfg = OmegaConf.create({"imds": False, "poll_seconds": 1, "check_every_steps": 1})
-    watcher = Preemption(cfg, engine=None, local_rank=0)
-    assert signal.getsignal(signal.SIGTERM) != before
-    watcher.close()
-    assert signal.getsignal(signal.SIGTERM) == before
-
-
 class OneRank:
     """The engine of a job of one rank, where the vote's sum is the rank's own vote."""
 
@@ -241,6 +231,24 @@ def next_decision(watcher, timeout=10.0):
     raise AssertionError(f"no decision within {timeout} s")
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["TERM", "USR1"])
+def test_a_signal_stops_at_a_step_boundary_and_its_handler_is_restored(signum):
+    # SLURM's warning before the time limit is SIGTERM or, as some users prefer, SIGUSR1.
+    from omegaconf import OmegaConf
+
+    from trainer.preemption import Decision, Preemption
+
+    before = signal.getsignal(signum)
+    cfg = OmegaConf.create({"imds": False, "poll_seconds": 1, "check_every_steps": 1})
+    watcher = Preemption(cfg, OneRank(), local_rank=0)
+    try:
+        signal.raise_signal(signum)  # the process lives on: the handler only votes
+        assert next_decision(watcher) == Decision(signal.Signals(signum).name, False)
+    finally:
+        watcher.close()
+    assert signal.getsignal(signum) == before
+
+
 def test_the_watcher_survives_a_missed_first_probe_and_sees_a_rebalance_then_a_notice(
         monkeypatch):
     from omegaconf import OmegaConf
@@ -254,9 +262,11 @@ def test_the_watcher_survives_a_missed_first_probe_and_sees_a_rebalance_then_a_n
     try:
         imds.recommend_rebalance()
         assert next_decision(watcher) == Decision(None, True)  # checkpoint, and go on
+        announced = time.time()
         imds.announce_interruption()
         decision = next_decision(watcher)  # the rebalance is not answered twice
         assert decision.stop.startswith("spot terminate notice for ") and not decision.checkpoint
+        assert announced <= watcher.noticed_at <= time.time()  # when the watcher saw it
     finally:
         watcher.close()
         imds.close()
@@ -283,3 +293,76 @@ def test_close_waits_for_the_watcher(monkeypatch):
         assert "spot-notice-watcher" not in [t.name for t in threading.enumerate()]
     finally:
         imds.close()
+
+
+# ------------------------------------------------------------ the notice budget on S3
+
+
+@pytest.mark.parametrize("cut", ["manifest_put", "short_pt", "manifest_differs"])
+def test_a_save_cut_before_its_manifest_or_read_back_wrong_is_never_resumed_from(
+        tmp_path, s3, monkeypatch, caplog, cut):
+    uri = f"s3://spotring/runs/{cut}"
+    node = Checkpoints(tmp_path / "node1", keep=3, uri=uri)
+    save(node, 10, numel=1024)
+    write = node.remote.write
+
+    def damaged(name: str, data: bytes) -> None:
+        if name.endswith(".json") and cut == "manifest_put":
+            raise ConnectionResetError("the spot instance went away mid-upload")
+        if name.endswith(".pt") and cut == "short_pt":  # a store that kept fewer bytes
+            data = data[:-1]
+        if name.endswith(".json") and cut == "manifest_differs":  # another writer's
+            data = json.dumps(json.loads(data) | {"sha256": "0" * 64}).encode()
+        write(name, data)
+
+    monkeypatch.setattr(node.remote, "write", damaged)
+    error = {"manifest_put": "went away mid-upload",
+             "short_pt": f"{uri}/ckpt-000000020.pt: .* bytes stored of the .* written",
+             "manifest_differs": f"{uri}/ckpt-000000020.json: reads back other than written"}
+    with pytest.raises((ConnectionResetError, CheckpointNotSaved), match=error[cut]):
+        save(node, 20, numel=1024)
+    assert ("ckpt-000000020.json" in node.remote.names()) == (cut == "manifest_differs")
+
+    fresh_node = Checkpoints(tmp_path / "node2", keep=3, uri=uri)
+    assert find_resume("auto", fresh_node).manifest["step"] == 10
+    if cut == "manifest_differs":
+        assert f"skipping checkpoint: {uri}/ckpt-000000020.pt: corrupt" in caplog.text
+
+
+@pytest.mark.slow
+def test_a_stop_records_its_notice_to_s3_time_and_a_fresh_node_resumes_from_that_upload(
+        tmp_path, s3):
+    uri = "s3://spotring/runs/budget"
+    job = Job(tmp_path / "spot", [f"checkpoint.uri={uri}"], s3, launcher="single", nproc=1)
+    job.wait_for_step(10)
+    signalled = time.time()
+    job.proc.send_signal(signal.SIGTERM)
+    run = job.finish()
+    assert run.proc.returncode == 75, run.output[-4000:]
+    note = json.loads((run.dir / "preempted.json").read_text())
+    step = note["step"]
+    assert signalled <= note["noticed_at"] <= note["local_saved_at"] <= note["saved_at"] \
+        <= (run.dir / "preempted.json").stat().st_mtime
+    blob = f"ckpt-{step:09d}.pt"
+    on_s3 = boto3.client("s3").head_object(Bucket="spotring", Key=f"runs/budget/{blob}")
+    assert note["upload_bytes"] == on_s3["ContentLength"] and note["upload_seconds"] > 0
+    # The log line tells the same times, to its precision, and the upload's MB/s.
+    line = next(x for x in run.output.splitlines() if "notice budget (SIGTERM)" in x)
+    spent = note["saved_at"] - note["noticed_at"]
+    assert f"to every store and read back {spent:.2f} s: " \
+           f"{NOTICE_SECONDS - spent:.2f} s left" in line
+    assert f"to the local copy {note['local_saved_at'] - note['noticed_at']:.2f} s" in line
+    rate = note["upload_bytes"] / 1e6 / note["upload_seconds"]
+    assert f"{uri} in {note['upload_seconds']:.2f} s ({rate:.1f} MB/s)" in line
+
+    # Newer than the stop's checkpoint on S3: a manifest whose object is short, as an
+    # upload cut by the reclaim leaves it. A fresh node skips it, naming it.
+    remote = Checkpoints(tmp_path / "unused", keep=3, uri=uri).remote
+    manifest = json.loads(remote.read(f"ckpt-{step:09d}.json"))
+    later = f"ckpt-{step + 1:09d}"
+    remote.write(f"{later}.pt", remote.read(blob)[: manifest["bytes"] // 2])
+    remote.write(f"{later}.json", json.dumps(manifest | {"file": f"{later}.pt"}).encode())
+    resumed = run_trainer(tmp_path / "fresh", *RUN, f"checkpoint.uri={uri}",
+                          "train.batch_size=32", f"train.max_steps={step + 1}", env=s3)
+    assert f"skipping checkpoint: {uri}/{later}.pt: truncated" in resumed.output
+    assert f"resumed at step {step}" in resumed.output

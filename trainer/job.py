@@ -61,7 +61,8 @@ def run(cfg: DictConfig) -> int:
         summary = _fit(cfg, engine, dataset, checkpoints, found) | {"launcher": launch.launcher}
     except Preempted as e:
         log.warning("%s; exit %d: run again with resume=auto to continue", e, EXIT_PREEMPTED)
-        _leave_note(engine, PREEMPTED, reason=e.reason, step=e.step, checkpoint=e.checkpoint)
+        _leave_note(engine, PREEMPTED, reason=e.reason, step=e.step, checkpoint=e.checkpoint,
+                    **e.timing)
         code = EXIT_PREEMPTED
     except Diverged as e:
         log.error("%s; exit %d", e, EXIT_DIVERGED)
@@ -83,7 +84,9 @@ def run(cfg: DictConfig) -> int:
 
 def _leave_note(engine: engines.Engine, name: str, **fields: Any) -> None:
     """Rank 0's note in the run dir of why the run stopped, for launchers that do not
-    pass exit codes on (torchrun)."""
+    pass exit codes on (torchrun). preempted.json: reason, step, checkpoint, and the
+    notice budget's times (noticed_at, local_saved_at, saved_at; upload_seconds and
+    upload_bytes with S3: Trainer._notice_budget)."""
     if engine.rank == 0:
         write_atomic(_run_dir() / name, json.dumps(fields).encode())
 

@@ -37,13 +37,13 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import runtime
-from trainer.checkpoint import Checkpoints
+from trainer.checkpoint import Checkpoints, Saved
 from trainer.config import DType, Precision, global_batch
 from trainer.data import Batch, Batches
 from trainer.datasets import Dataset
 from trainer.engines import Engine
 from trainer.models import build_model, l1_penalty
-from trainer.preemption import Preempted, Preemption
+from trainer.preemption import NOTICE_SECONDS, Preempted, Preemption
 from trainer.schedule import LRSchedule, build_optimizer
 from trainer.telemetry import Telemetry
 
@@ -196,6 +196,7 @@ class Trainer:
                                    self.total_steps, self.position.step)
         self.stopwatch = Stopwatch(engine.device)
         self._last_saved = "(written by rank 0)"
+        self._saved: Saved | None = None  # rank 0's newest checkpoint
         # Running sums since the last log line, on the device: loss x n, correct, n.
         self._sums = torch.zeros(3, device=engine.device, dtype=torch.float64)
 
@@ -244,7 +245,8 @@ class Trainer:
                 if (decision.stop or decision.checkpoint) and saved_at != pos.step:
                     saved_at = self._checkpoint()
                 if decision.stop:
-                    raise Preempted(decision.stop, pos.step, self._last_saved)
+                    raise Preempted(decision.stop, pos.step, self._last_saved,
+                                    self._notice_budget(decision.stop, preemption.noticed_at))
                 if pos.step >= self.total_steps:
                     break
             self.stopwatch.pause()
@@ -410,11 +412,41 @@ class Trainer:
                 "dataset": self.cfg.dataset.name,
                 "world_size": self.world_size, "global_batch": self.global_batch,
             }
-            started = time.perf_counter()
-            self._last_saved = self.checkpoints.save(state, meta)
-            log.info("checkpoint written in %.2f s: %s", time.perf_counter() - started,
-                     self._last_saved)
+            self._saved = self.checkpoints.save(state, meta)
+            self._last_saved = self._saved.location
+            log.info("checkpoint %s, %s", self._last_saved, self._saved.describe())
         return self.position.step
+
+    def _notice_budget(self, reason: str, noticed_at: float) -> dict[str, float]:
+        """Rank 0: how long the checkpoint the run stops with took after the notice (or
+        signal) reached this process, against EC2's NOTICE_SECONDS. Logs one line and
+        returns preempted.json's fields (epoch seconds; noticed_at <= local_saved_at <=
+        saved_at, a time clamped to noticed_at where that checkpoint was already written
+        when the notice came):
+
+            noticed_at       the notice or signal reached rank 0 (or the others' vote did)
+            local_saved_at   the checkpoint complete in checkpoint.dir
+            saved_at         complete and read back on every store (S3 too)
+            upload_seconds, upload_bytes   the S3 store's share (with checkpoint.uri)
+        """
+        if self.engine.rank != 0:
+            return {}
+        saved = self._saved
+        fields = {"noticed_at": noticed_at,
+                  "local_saved_at": max(saved.done_at[self.checkpoints.local.where], noticed_at),
+                  "saved_at": max(saved.complete_at, noticed_at)}
+        if self.checkpoints.remote is not None:
+            fields |= {"upload_seconds": saved.seconds[self.checkpoints.remote.where],
+                       "upload_bytes": saved.bytes}
+        spent = fields["saved_at"] - noticed_at
+        # Past the notice the instance is gone, and so is a checkpoint not yet uploaded.
+        log.log(logging.INFO if spent <= NOTICE_SECONDS else logging.WARNING,
+                "notice budget (%s): checkpoint of step %d, %s; notice to the local copy "
+                "%.2f s, to every store and read back %.2f s: %.2f s left of EC2's %d s",
+                reason, self.position.step, saved.describe(),
+                fields["local_saved_at"] - noticed_at, spent, NOTICE_SECONDS - spent,
+                NOTICE_SECONDS)
+        return fields
 
     def _restore(self, state: dict[str, Any], model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer) -> None:

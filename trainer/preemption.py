@@ -3,7 +3,8 @@
 EC2 takes a spot instance back with a two-minute notice, published by the instance
 metadata service (IMDSv2), and at the end the OS sends SIGTERM. Every rank:
 
-    catches SIGTERM (the notice of last resort, and how launchers stop their workers);
+    catches SIGTERM (the notice of last resort, and how launchers stop their workers)
+        and SIGUSR1 (a warning only: SLURM's --signal=USR1@S before the time limit);
     on local rank 0 of each node, a thread polls every preemption.poll_seconds:
         PUT  /latest/api/token                              an IMDSv2 session token
         GET  /latest/meta-data/spot/instance-action         404, or {"action": "terminate",
@@ -42,6 +43,10 @@ from trainer.engines import Engine
 log = logging.getLogger(__name__)
 
 DEFAULT_ENDPOINT = "http://169.254.169.254"
+NOTICE_SECONDS = 120  # EC2's spot interruption notice: the instance goes this long after it
+# Signals that stop the run as a spot notice does: SIGTERM from the OS and launchers,
+# SIGUSR1 from schedulers asked for a warning that is not also their kill signal.
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _TOKEN_TTL_SECONDS = 21600
 _PROBES = 3  # first requests before deciding there is no metadata service
 # How long close() waits for the watcher: a poll in flight is up to three requests
@@ -52,9 +57,11 @@ _CLOSE_SECONDS = 3.5
 class Preempted(Exception):
     """Raised by the loop once every rank agreed to stop and the checkpoint is written."""
 
-    def __init__(self, reason: str, step: int, checkpoint: str) -> None:
+    def __init__(self, reason: str, step: int, checkpoint: str,
+                 timing: dict[str, float] | None = None) -> None:
         super().__init__(f"preempted ({reason}) at step {step}; checkpoint {checkpoint}")
         self.reason, self.step, self.checkpoint = reason, step, checkpoint
+        self.timing = timing or {}  # rank 0's notice and save times, for preempted.json
 
 
 @dataclass
@@ -103,12 +110,15 @@ class Preemption:
     def __init__(self, cfg: DictConfig, engine: Engine, local_rank: int) -> None:
         self.cfg, self.engine = cfg, engine
         self._stop: str | None = None
+        # time.time() when a stop first reached this rank: its own notice or signal, or
+        # else the vote of another rank (rank 0's goes into preempted.json).
+        self.noticed_at: float | None = None
         self._rebalance = threading.Event()
         self._rebalance_handled = False
         self._closed = threading.Event()
         self._steps = 0
         self._pending: Callable[[], torch.Tensor] | None = None  # the last votes sent
-        self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
         self._thread: threading.Thread | None = None
         if cfg.imds and local_rank == 0:
             endpoint = os.environ.get("AWS_EC2_METADATA_SERVICE_ENDPOINT", DEFAULT_ENDPOINT)
@@ -116,9 +126,16 @@ class Preemption:
                                             name="spot-notice-watcher", daemon=True)
             self._thread.start()
 
-    def _on_sigterm(self, signum, frame) -> None:
+    def _on_signal(self, signum, frame) -> None:
         # Only set a flag: the step in progress finishes, then every rank agrees.
-        self._stop = self._stop or "SIGTERM"
+        self._notice(signal.Signals(signum).name)
+
+    def _notice(self, reason: str) -> None:
+        """Keep the first reason to stop, and when it came (noticed_at first: decide()
+        reads _stop, maybe from another thread)."""
+        if self._stop is None:
+            self.noticed_at = self.noticed_at or time.time()
+            self._stop = reason
 
     def _watch(self, metadata: Metadata) -> None:
         for probe in range(_PROBES):  # a busy new instance may miss one; off EC2 all fail
@@ -136,9 +153,10 @@ class Preemption:
             try:
                 action = metadata.get("spot/instance-action")
                 if action is not None:
-                    self._stop = f"spot {action.get('action', 'interruption')} notice " \
-                                 f"for {action.get('time', 'soon')}"
-                    log.warning("%s", self._stop)
+                    notice = f"spot {action.get('action', 'interruption')} notice " \
+                             f"for {action.get('time', 'soon')}"
+                    self._notice(notice)
+                    log.warning("%s", notice)
                     return
                 if not self._rebalance.is_set() and metadata.get(
                         "events/recommendations/rebalance") is not None:
@@ -169,6 +187,7 @@ class Preemption:
             return Decision(None, False)
         stop_votes, rebalance_votes = previous.tolist()
         if stop_votes > 0:
+            self.noticed_at = self.noticed_at or time.time()
             return Decision(self._stop or "another rank received a notice", False)
         if rebalance_votes > 0:
             self._rebalance_handled = True  # one checkpoint, whichever rank saw it first
@@ -184,4 +203,5 @@ class Preemption:
         self._closed.set()
         if self._thread is not None:
             self._thread.join(_CLOSE_SECONDS)
-        signal.signal(signal.SIGTERM, self._previous_handler)
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)

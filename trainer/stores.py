@@ -42,6 +42,9 @@ class DirectoryStore:
     def read(self, name: str) -> bytes:
         return (self.path / name).read_bytes()
 
+    def size(self, name: str) -> int:
+        return (self.path / name).stat().st_size
+
     def write(self, name: str, data: bytes) -> None:
         write_atomic(self.path / name, data)
 
@@ -92,6 +95,10 @@ class S3Store:
 
     def read(self, name: str) -> bytes:
         return self.client.get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read()
+
+    def size(self, name: str) -> int:
+        """The stored object's length, asked of S3 without reading the object."""
+        return self.client.head_object(Bucket=self.bucket, Key=self._key(name))["ContentLength"]
 
     def write(self, name: str, data: bytes | io.RawIOBase) -> None:
         body = io.BytesIO(data) if isinstance(data, bytes) else data

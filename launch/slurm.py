@@ -11,15 +11,16 @@ asks SLURM for:
 
     --requeue               a job whose node failed (NODE_FAIL) goes back in the queue
     --signal=TERM@S         SIGTERM to every task S seconds before the time limit
+                            (signal=USR1: SIGUSR1, which the trainer takes the same way)
     --open-mode=append      one log, RUN_DIR/slurm-JOBID.out, across requeues
     --nodes=MIN-MAX         with min_nodes; per node --mincpus=TASKS rather than
                             --ntasks-per-node, which would start it on MIN nodes
 
 and runs `srun python -m trainer resume=auto ...`: one task per GPU (or tasks_per_node
-on CPUs), the process group formed from SLURM's variables (trainer/runtime.py). SIGTERM,
-from the time limit, `scancel --signal=TERM JOBID` or a preempting partition, is a spot
-notice to the trainer: a checkpoint at once, exit 75, and the script requeues the job,
-which resumes from the checkpoint (also after a lost rank; up to max_restarts times); on
+on CPUs), the process group formed from SLURM's variables (trainer/runtime.py). SIGTERM
+or SIGUSR1, from the time limit, `scancel --signal=TERM JOBID` or a preempting partition,
+is a spot notice to the trainer: a checkpoint at once, exit 75, and the script requeues the
+job, which resumes from the checkpoint (also after a lost rank; up to max_restarts times); on
 fewer nodes it raises train.accumulation to keep the global batch where the node counts
 divide. A signal for the batch shell (`--signal=B:...`, `scancel --full`) would end srun
 and the job with it: the signal goes to the tasks, which is SLURM's default.
@@ -29,9 +30,11 @@ It runs with --kill-on-bad-exit=0: a rank that exits 75 first must not have srun
 the others while they shut down (they would die of it, 143, and the job would not be
 requeued); a lost rank makes the others exit 69 by themselves, within engine.timeout_s.
 So a rank SIGKILLed (the OOM killer, kill -9) comes back as 137, a rank that saw its peer
-go as 69: both are requeued, as 75 is. Not 2 (bad input), 1 (a crash), 65 (diverged) or
-143 (a task ended by SIGTERM before it could catch it). A crash of one rank can still
-come back as 69 from the others: it is requeued, max_restarts times at most.
+go as 69: both are requeued, as 75 is, and so are 143 and 138: SIGTERM or SIGUSR1 before
+the trainer catches them (it does from its first step on; a signal during its start-up
+ends it at once, with nothing new to save, and without the requeue a preemption then would
+end the job for good). Not 2 (bad input), 1 (a crash) or 65 (diverged). A crash of one
+rank can still come back as 69 from the others: it is requeued, max_restarts times at most.
 
 Bad input exits 2 before anything is submitted: no sbatch here, more tasks per node than
 GPUs, an option or partition SLURM refuses (`sbatch --test-only` says which).
@@ -43,6 +46,7 @@ import argparse
 import logging
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -55,13 +59,15 @@ from omegaconf import DictConfig
 from launch.commands import LAUNCHER_ENV
 from launch.console import split_trainer_args
 from trainer import config as trainer_config
-from trainer.config import ConfigError, compose_checked
+from trainer.config import ConfigError, compose_checked, one_of
 from trainer.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_PEER_LOST, EXIT_PREEMPTED
 
-# srun's status when a task was SIGKILLed (128 + 9): a rank lost, as 69 is from a rank
-# that saw its peer go.
-EXIT_KILLED = 137
-REQUEUE = (EXIT_PREEMPTED, EXIT_PEER_LOST, EXIT_KILLED)
+# The warnings the trainer takes as a spot notice; --signal sends one to every task.
+SIGNALS = ("TERM", "USR1")
+# srun's status for a task ended by signal N is 128 + N: SIGKILL is a rank lost, as 69 is
+# from a rank that saw its peer go; SIGTERM or SIGUSR1 ended a trainer still starting up.
+REQUEUE = (EXIT_PREEMPTED, EXIT_PEER_LOST,
+           *(128 + s for s in (signal.SIGKILL, signal.SIGTERM, signal.SIGUSR1)))
 
 log = logging.getLogger("launch")
 
@@ -74,7 +80,8 @@ class SbatchConfig:
     tasks_per_node: int | None = None  # default: gpus_per_node, or 1 on CPUs
     partition: str | None = None
     time: str | None = None  # the time limit, as sbatch takes it (HH:MM:SS, D-HH:MM)
-    signal_s: int = 120  # SIGTERM this long before the time limit: a checkpoint in time
+    signal: str = "TERM"  # the warning to every task: TERM or USR1 (SIGNALS)
+    signal_s: int = 120  # the warning this long before the time limit: a checkpoint in time
     job_name: str = "spotring"
     run_dir: str = "runs/slurm/${job_name}"  # on storage every node shares
     options: list[str] = field(default_factory=list)  # more sbatch options: [--account=x]
@@ -108,7 +115,9 @@ def script(cfg: DictConfig, trainer_args: list[str], python: str, workdir: Path)
     lines = ["#!/bin/bash",
              f"# Written by `spotring sbatch`; submit it again: sbatch {run_dir}/sbatch.sh",
              f"#SBATCH --job-name={cfg.job_name}", *nodes, "#SBATCH --requeue",
-             f"#SBATCH --signal=TERM@{cfg.signal_s}", "#SBATCH --open-mode=append",
+             # To the tasks, not to the batch shell (B:), whose srun in the foreground
+             # would end with it, and the job with no checkpoint.
+             f"#SBATCH --signal={cfg.signal}@{cfg.signal_s}", "#SBATCH --open-mode=append",
              f"#SBATCH --output={run_dir}/slurm-%j.out"]
     if cfg.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={cfg.gpus_per_node}")
@@ -135,7 +144,8 @@ def script(cfg: DictConfig, trainer_args: list[str], python: str, workdir: Path)
         f"{args} train.accumulation=$accumulation",
         "code=$?",
         'echo "$(date "+%F %T") spotring sbatch: srun exit $code"',
-        "# 75: preempted, after a checkpoint; 69 or 137 (a task SIGKILLed): a rank lost.",
+        "# 75: preempted, after a checkpoint; 69 or 137 (a task SIGKILLed): a rank lost;",
+        "# 143 or 138 (SIGTERM, SIGUSR1): a warning during start-up, nothing new to save.",
         f"if (( ({' || '.join(f'code == {c}' for c in REQUEUE)}) && "
         f"${{SLURM_RESTART_COUNT:-0}} < {cfg.max_restarts} )); then",
         '    echo "$(date "+%F %T") spotring sbatch: requeueing job $SLURM_JOB_ID to resume '
@@ -154,6 +164,8 @@ def check(cfg: DictConfig, trainer_args: list[str]) -> None:
     for key in ("nodes", "signal_s"):
         if cfg[key] < 1:
             problems.append(f"{key}={cfg[key]}: must be 1 or more")
+    if (problem := one_of("signal", cfg.signal, SIGNALS)) is not None:
+        problems.append(problem)
     if cfg.max_restarts < 0:
         problems.append(f"max_restarts={cfg.max_restarts}: must be 0 or more")
     if cfg.min_nodes is not None and not 1 <= cfg.min_nodes <= cfg.nodes:
@@ -206,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the script; submit nothing")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="nodes=, min_nodes=, gpus_per_node=, tasks_per_node=, partition=, "
-                             "time=, signal_s=, job_name=, run_dir=, options=[...]")
+                             "time=, signal=TERM|USR1, signal_s=, job_name=, run_dir=, "
+                             "options=[...]")
     try:
         args = parser.parse_args(ours)
     except SystemExit as e:

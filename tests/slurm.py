@@ -5,6 +5,8 @@
     node i         a network namespace of the local cluster (launch/local/netns.py) with
                    address .10+i and hostname node-i; a slurmd -N node-i in it, whose
                    /etc/hosts names every node, as a cluster's DNS would
+    partitions     low (the default) and high over all nodes: a job of high that needs
+                   their CPUs preempts the jobs of low (SIGTERM, GraceTime, requeue)
 
 Everything lives in one directory (slurm.conf, the munge key, state, spool, logs) and
 goes with it: stop() ends every daemon and every process left in the namespaces, and
@@ -67,7 +69,12 @@ SlurmdTimeout=30
 MinJobAge=2
 KillWait=5
 {nodes}
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+# A preempting partition over the same nodes: a job of `high` requeues the jobs of `low`
+# in its way, which get SIGTERM at once and GraceTime seconds to checkpoint.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=low Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=30
+PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """
 
 

@@ -160,27 +160,36 @@ def ranks(run_dir: Path) -> dict[int, int]:
 
 
 @pytest.mark.slow
-def test_scancel_term_checkpoints_requeues_and_resumes_to_the_same_parameters(
+def test_a_warning_during_start_up_and_a_preempting_partition_each_requeue_the_job_once(
         cluster, submit, ddp_2x32):
-    job = submit("nodes=2")
-    job.wait_for_steps(3)
-    signalled = time.time()
+    job = submit("nodes=2", "partition=low")
+    # The warning while the trainers start up, before they catch it: they die of it
+    # (nothing new to save), and the job must still come back.
+    job.wait(lambda: len(ranks(job.dir)) == 2 or None, "the job's 2 ranks")
     cluster.run("scancel", "--signal=TERM", str(job.id))
+    job.wait(lambda: "(restart 1)" in job.log() or None, "the requeued job's start")
+    job.wait_for_steps(3)
+    preempted = time.time()
+    # A job of the higher tier that needs the nodes whole: SLURM preempts ours for it.
+    cluster.run("sbatch", "--partition=high", "--nodes=2", "--exclusive",
+                f"--output={job.dir}/high.out", "--wrap", "echo high ran")
     note = job.dir / "preempted.json"
     stopped = job.wait(lambda: note.exists() and json.loads(note.read_text())["step"] or None,
                        "rank 0's preempted.json")
-    to_disk = (job.dir / "checkpoints" / f"ckpt-{stopped:09d}.pt").stat().st_mtime - signalled
-    job.wait(lambda: job.state() not in ("RUNNING", "COMPLETING") or None, "the requeue")
-    requeued = time.time()
+    to_disk = (job.dir / "checkpoints" / f"ckpt-{stopped:09d}.pt").stat().st_mtime - preempted
     first = job.dir / "checkpoints" / f"ckpt-{stopped + 1:09d}.pt"
     job.wait(lambda: first.exists() or None, "the first step of the resumed job")
-    to_step = first.stat().st_mtime - requeued
+    to_step = first.stat().st_mtime - preempted
     run = job.finish()
-    figures = (f"scancel --signal=TERM to the checkpoint of step {stopped} on disk: "
-               f"{to_disk:.2f} s; requeue to the first step of the resumed job: {to_step:.1f} s")
+    figures = (f"preemption to the checkpoint of step {stopped} on disk: {to_disk:.2f} s; "
+               f"to the first step of the resumed job: {to_step:.1f} s")
     print(f"\n{figures}")
-    assert "srun exit 75" in run.output and "requeueing job" in run.output, run.output
-    assert f"job {job.id} (restart 1) on 2 nodes" in run.output, run.output
+    assert "srun exit 143" in run.output, run.output
+    assert (job.dir / "high.out").read_text() == "high ran\n"  # it had the nodes
+    assert "preempted (SIGTERM)" in run.output and "srun exit 75" in run.output, run.output
+    # One requeue for each stop: the script's, which SLURM's preemption does not repeat.
+    assert re.findall(r"\(restart (\d+)\) on 2 nodes", run.output) == ["0", "1", "2"], \
+        run.output
     assert f"resumed at step {stopped}" in run.output, run.output
     assert run.summary["resumed_from"].endswith(f"ckpt-{stopped:09d}.pt")
     assert run.summary["steps"] == 20 and run.summary["world_size"] == 2, run.summary
@@ -222,12 +231,19 @@ def test_a_killed_rank_fails_the_job_in_bounded_time_and_it_resumes(cluster, sub
     assert_close(run.params(), ddp_2x32.params(), rtol=1e-10)
 
 
+def test_signal_usr1_asks_slurm_to_warn_every_task_with_sigusr1(capsys):
+    # To the tasks (no B:): the batch shell would end srun with it, and no checkpoint.
+    assert sbatch.main(["signal=USR1", "signal_s=300", "--dry-run"]) == 0
+    assert "\n#SBATCH --signal=USR1@300\n" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("ours, trainer, says", [
     (["nodes=1"], [], "sbatch is not on the PATH"),
     (["nodes=1", "gpus_per_node=2", "tasks_per_node=4"], [], "one task per GPU"),
     (["nodes=1", "partition=nosuch"], [], "nosuch"),
+    (["nodes=1", "signal=HUP"], [], "signal=HUP: unknown; valid: TERM, USR1"),
     (["nodes=1"], ["optim.lr=abc"], "optim.lr"),
-], ids=["no-sbatch", "tasks-per-gpu", "partition", "trainer-override"])
+], ids=["no-sbatch", "tasks-per-gpu", "partition", "signal", "trainer-override"])
 def test_bad_input_exits_2_and_submits_nothing(cluster, tmp_path, monkeypatch, capsys,
                                                ours, trainer, says):
     monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])

@@ -2,8 +2,9 @@
 across them, tear them down (also `python -m launch ...`).
 
     spotring launch nodes=8 -- train.epochs=30   up + run + down (make launch NODES=8);
-                                                 with cluster.max_restarts=K, lost spot
-                                                 nodes are replaced and the job resumes
+                                                 lost spot nodes are replaced and the job
+                                                 resumes (cluster.max_preemptions,
+                                                 cluster.max_restarts); ledger.json
     spotring up nodes=8                          the nodes; the first line names the run
                                                  dir, where hosts and hosts.mpich are written
     spotring run -- dataset=cifar10              the code to the nodes, the job, results back
@@ -11,7 +12,7 @@ across them, tear them down (also `python -m launch ...`).
     spotring down                                the newest run (or run_id=ID); --all-mine:
                                                  everything of yours, from any run
     spotring cost                                $/hour now; the newest run's node-hours,
-                                                 $/epoch
+                                                 $/epoch, its ledger
     spotring up nodes=8 --dry-run                the whole plan; no cloud API is called
 
 Before `--`: overrides of conf/launch.yaml, e.g. nodes=8 cluster=local,
@@ -23,9 +24,11 @@ cluster and node count from the run's launch.yaml (`cost` prices other nodes=,
 cluster.instance_types=, zones= or region= when given). docs/launching.md is the guide.
 
 `launch` takes everything down at the end, on an error and on Ctrl-C; `up` does on an
-error or Ctrl-C before it is done. Exit codes: 0 done; 1 failed (no capacity, an AWS or
-ssh error; nothing is left behind); 2 bad input (nothing was created); `run` and
-`launch` pass the trainer's on (69 a rank was lost, 75 preempted: trainer/exits.py).
+error or Ctrl-C before it is done. Each deletion is tried even when others fail; what
+is still there then is named, with `spotring down run_id=ID` to try again. Exit codes:
+0 done; 1 failed (no capacity, an AWS or ssh error, or something could not be deleted);
+2 bad input (nothing was created); `run` and `launch` pass the trainer's on (69 a rank
+was lost, 75 preempted: trainer/exits.py).
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ import textwrap
 from pathlib import Path
 
 from botocore.exceptions import BotoCoreError, ClientError
+from botocore.parsers import ResponseParserError
 
-from launch import STEPS, config
+from launch import STEPS, config, ledger
 from launch.clusters import provider_for
 from launch.console import interrupt_on_termination, log_to, split_trainer_args
 from launch.cost import after_run, hourly
-from launch.down import down
+from launch.down import down, down_after, leftovers
 from launch.plan import plan
 from launch.provider import NoCapacity
 from launch.recover import supervise
@@ -98,14 +102,23 @@ def main(argv: list[str] | None = None, prog: str = "spotring") -> int:
     try:
         return _command(args, trainer_args)
     except ConfigError as e:
-        print(f"{name}: error: {e}", file=sys.stderr)
+        _last_lines(name, f"error: {e}", e)
         return EXIT_CONFIG
-    except (NoCapacity, RuntimeError, TimeoutError, ClientError, BotoCoreError) as e:
-        print(f"{name}: failed: {e}", file=sys.stderr)
+    except (NoCapacity, RuntimeError, TimeoutError, ClientError, BotoCoreError,
+            ResponseParserError) as e:  # that one: an answer that is not AWS's, e.g. an HTML 500
+        _last_lines(name, f"failed: {e}", e)
         return EXIT_FAILED
-    except KeyboardInterrupt:
-        print(f"{name}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        _last_lines(name, "interrupted", e)
         return 128 + signal.SIGINT
+
+
+def _last_lines(name: str, why: str, error: BaseException) -> None:
+    """On stderr: why the command stopped, then what its clean-up could not delete."""
+    print(f"{name}: {why}", file=sys.stderr)
+    left = leftovers(error)
+    if left:
+        print(f"{name}: {left}", file=sys.stderr)
 
 
 def _parse(prog: str, ours: list[str], trainer_args: list[str]) -> argparse.Namespace:
@@ -180,6 +193,8 @@ def _command(args: argparse.Namespace, trainer_args: list[str]) -> int:
     elif command == "down":
         if run.config.exists() or args.all_mine:
             down(run, provider, args.all_mine)
+            if run.config.exists():  # the termination times are in: the bill is final
+                ledger.write(run)
         else:
             log.info("down: no runs in %s: nothing to take down", cfg.runs_dir)
     elif command == "cost":
@@ -188,15 +203,23 @@ def _command(args: argparse.Namespace, trainer_args: list[str]) -> int:
     elif command == "launch":
         try:
             up(cfg, run, provider)
-            return supervise(cfg, run, provider)
-        finally:
-            if run.config.exists():  # up got past its checks: something may exist
-                # A second Ctrl-C (or kill) must not stop the teardown halfway.
-                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                    signal.signal(sig, signal.SIG_IGN)
-                down(run, provider)
-                log.info("\n".join(after_run(run)))
+            code = supervise(cfg, run, provider)
+        except BaseException as e:
+            _clean_up(run, provider, e)
+            raise
+        _clean_up(run, provider)
+        return code
     return 0
+
+
+def _clean_up(run: RunDir, provider, failure: BaseException | None = None) -> None:
+    """launch's end, however it ends: everything of the run deleted, and its cost."""
+    if not run.config.exists():  # up stopped at its checks: nothing was made
+        return
+    try:
+        down_after(run, provider, failure)
+    finally:
+        log.info("\n".join(after_run(run)))
 
 
 def _run_dir(command: str, cfg, all_mine: bool) -> RunDir:

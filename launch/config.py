@@ -37,13 +37,21 @@ class ClusterConfig:
     setup: str = ""
     ssh_timeout_s: float = 300.0  # for sshd to answer on new nodes
     max_nodes: int = 16  # a guard against NODES=80 meant as 8
-    # Spot preemption recovery (launch/recover.py): restart on replacement nodes up to
-    # max_restarts times, on no fewer than min_nodes nodes; after a spot notice, wait up
-    # to notice_wait_s for the noticed node to leave `running` (EC2 gives two minutes).
+    # Recovery (launch/recover.py), two budgets counted apart: restarts after a
+    # preemption (a spot notice or SIGTERM reached the trainer: exit 75), which spot
+    # nodes are for, and after a failure without one (a lost rank, exit 69; a crash; a
+    # node gone without notice), which may be a bug: by default a run rides out three
+    # preemptions and stops at the first failure. Restarts go on no fewer than min_nodes
+    # nodes; after a notice the launcher waits up to notice_wait_s for the noticed node
+    # to leave `running` (EC2 gives two minutes).
+    max_preemptions: int = 3
     max_restarts: int = 0
     min_nodes: int = II("nodes")
     notice_wait_s: float = 150.0
     notice_poll_s: float = 5.0
+    # The ledger's comparison (launch/ledger.py): $/hour on demand per instance type.
+    # Empty: the ledger says the on-demand cost is unknown.
+    on_demand_prices: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -64,6 +72,7 @@ class AwsSpotConfig(ClusterConfig):
     # write checkpoints to the S3 of checkpoint.uri. None: the nodes get no credentials.
     instance_profile: str | None = None
     volume_gb: int = 100
+    volume_usd_per_gb_month: float = 0.08  # gp3 in us-east-1; billed per second, 60 s minimum
     workdir: str = MISSING  # where the code goes, the same path on every node
     wait_timeout_s: float = 900.0  # for running + status checks ok
     poll_s: float = 10.0
@@ -74,6 +83,9 @@ class LocalClusterConfig(ClusterConfig):
     """Nodes are network namespaces on this machine, each with its own sshd (root only)."""
 
     slots: int = 1  # ranks per node
+    # $/hour per node, to rehearse a run's bill (ledger.json, `spotring cost`) with
+    # prices of your own; this machine itself bills nothing, hence 0.
+    price: float = 0.0
     subnet: str = "10.213.0.0/16"  # each run takes a free /24 of it
 
 
@@ -152,13 +164,18 @@ def validate(cfg: DictConfig) -> None:
          f"nodes={cfg.nodes}: must be from 1 to cluster.max_nodes={c.max_nodes}")
     need(cfg.nodes < 1 or 1 <= c.min_nodes <= cfg.nodes,
          f"cluster.min_nodes={c.min_nodes}: must be from 1 to nodes={cfg.nodes}")
-    need(c.max_restarts >= 0, f"cluster.max_restarts={c.max_restarts}: must be 0 or more")
+    for key in ("max_preemptions", "max_restarts"):
+        need(c[key] >= 0, f"cluster.{key}={c[key]}: must be 0 or more")
+    problems += [f"cluster.on_demand_prices: {t}={p}: $/hour per instance type, 0 or more, "
+                 "e.g. {g5.xlarge: 1.006}"
+                 for t, p in c.on_demand_prices.items() if p is None or p < 0]
     need(c.ssh_timeout_s > 0, f"cluster.ssh_timeout_s={c.ssh_timeout_s}: must be positive")
     problems += _trainer_problems(list(cfg.job.args))
     if c.name == "aws_spot":
         problems += _aws_problems(c)
     elif c.name == "local":
         need(c.slots >= 1, f"cluster.slots={c.slots}: must be 1 or more")
+        need(c.price >= 0, f"cluster.price={c.price}: $/hour per node, 0 or more")
         problems += filter(None, [_subnet_problem(c.subnet, cfg.nodes)])
     if problems:
         raise ConfigError("bad launch configuration:\n  - " + "\n  - ".join(problems)
@@ -200,6 +217,9 @@ def _aws_problems(c: DictConfig) -> list[str]:
         problems.append(f"cluster.ami={c.ami}: expected an AMI id (ami-...) or null")
     if c.volume_gb < 8:
         problems.append(f"cluster.volume_gb={c.volume_gb}: at least 8 GB")
+    if c.volume_usd_per_gb_month < 0:
+        problems.append(f"cluster.volume_usd_per_gb_month={c.volume_usd_per_gb_month}: "
+                        "$ per GB-month, 0 or more (gp3 in us-east-1: 0.08)")
     if c.wait_timeout_s <= 0 or c.poll_s <= 0:
         problems.append(f"cluster.wait_timeout_s={c.wait_timeout_s}, cluster.poll_s="
                         f"{c.poll_s}: must be positive")

@@ -3,16 +3,20 @@
     now     $/hour per node and for N nodes, per instance type and zone, cheapest zone
             first, from the spot price history
     a run   node-hours (each node from its launch to `down`, to now, or to when it was
-            lost) x the spot price it was launched at; $/epoch of the training time
-            alone (summary.json: train_seconds, epochs) and of the whole run; on-demand
-            nodes have no price in the EC2 API
+            lost, billed per second with a 60 s minimum) x the price it was launched at
+            (spot: the spot price then; on demand: cluster.on_demand_prices); $/epoch of
+            the training time alone (summary.json: train_seconds, epochs); then the
+            run's ledger (launch/ledger.py), which it writes to ledger.json: every node,
+            every restart with the work and dollars it lost, the totals
 """
 
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
+from launch import ledger as ledgers
 from launch.provider import Provider
 from launch.rundir import RunDir
 
@@ -35,29 +39,76 @@ def hourly(provider: Provider, count: int) -> list[str]:
 
 
 def after_run(run: RunDir) -> list[str]:
+    """The run's bill and its ledger, which this writes to the run dir anew."""
     state, billed = run.state(), run.billed()
     if not billed:
         return [f"cost: run {run.id} has no nodes"]
-    end = state.get("destroyed_at", time.time())
-    hours = [max(0.0, (left or end) - n.launched_at) / 3600 for n, left in billed]
-    priced = [h * n.price for h, (n, _) in zip(hours, billed, strict=True) if n.price is not None]
-    unpriced, retired = len(billed) - len(priced), sum(left is not None for _, left in billed)
-    total = sum(priced)
-    lines = [f"cost: run {run.id}: {len(billed)} nodes"
+    ledger = ledgers.write(run)
+    nodes, total = ledger["nodes"], ledger["totals"]
+    retired = sum(left is not None for _, left in billed)
+    lines = [f"cost: run {run.id}: {len(nodes)} nodes"
              + (f" ({retired} of them lost and replaced)" if retired else "")
-             + f", {sum(hours):.4f} node-hours"
+             + f", {sum(n['billed_s'] for n in nodes) / 3600:.4f} node-hours"
              + ("" if "destroyed_at" in state else " so far (still up)")
-             + f", {usd(total)}"
-             + (f" + {unpriced} nodes without a known price" if unpriced else "")]
+             + f", {usd(total['usd'])}"
+             + (f" + {total['unpriced_nodes']} nodes without a known price"
+                if total["unpriced_nodes"] else "")]
     summary = run.job / "summary.json"
     if summary.exists():
         s = json.loads(summary.read_text())
         # The last try's training alone (after a restart, summary.json covers only it).
         epochs = s["epochs"] * s["steps_this_run"] / max(s["steps"], 1)
-        price = sum(n.price for n, left in billed if left is None and n.price is not None)
+        price = sum(n["usd_per_hour"] or 0.0 for n, (_, left) in zip(nodes, billed, strict=True)
+                    if left is None)
         train = s["train_seconds"] / 3600 * price
         lines.append(f"cost: training: {s['train_seconds']:.1f} s for {epochs:.3f} epochs on "
                      f"{s['world_size']} workers: {usd(train)}, {usd(train / max(epochs, 1e-9))}"
                      f"/epoch; the whole run (start-up, restarts, idle): "
-                     f"{usd(total / max(s['epochs'], 1e-9))}/epoch over {s['epochs']:.3f} epochs")
-    return lines
+                     f"{usd(total['usd'] / max(s['epochs'], 1e-9))}/epoch over "
+                     f"{s['epochs']:.3f} epochs")
+    return lines + ledger_lines(ledger, run.ledger)
+
+
+def ledger_lines(ledger: dict, path: Path) -> list[str]:
+    """The ledger (launch/ledger.py) as `spotring cost` shows it."""
+    def clock(t: float | None) -> str:
+        return time.strftime("%H:%M:%S", time.gmtime(t)) if t is not None else "-"
+
+    def dollars(d: float | None) -> str:
+        return usd(d) if d is not None else "unknown"
+
+    out = [f"cost: ledger ({path}, times UTC){'' if ledger['complete'] else ', so far'}:"]
+    for n in ledger["nodes"]:
+        rate = (f"{usd(n['usd_per_hour'])}/hour ({n['price_from']})"
+                if n["usd_per_hour"] is not None else "no known price")
+        out.append(f"  node {n['id']} {n['type']} {n['zone']} {n['lifecycle']}: "
+                   f"{clock(n['launched_at'])}-{clock(n['terminated_at'])}, "
+                   f"{n['billed_s']:.0f} s at {rate} = {dollars(n['usd'])}"
+                   + (f" + volume {usd(n['volume_usd'])}" if n["volume_gb"] else ""))
+    for r in ledger["restarts"]:
+        why = f" ({r['reason']})" if r["reason"] else ""
+        code = f"exit {r['exit']}" if r["exit"] is not None else "ssh failed"
+        notice = (f", noticed {clock(r['noticed_at'])}, checkpoint {clock(r['saved_at'])}"
+                  if r["noticed_at"] is not None else "")
+        redone = (f"; resumed at step {r['resumed_from']} ({r['steps_redone']} steps "
+                  f"redone) after {r['waited_s']:.1f} s waiting for nodes"
+                  if r["resumed_from"] is not None else "; not resumed")
+        lost = (f"; {r['lost_s']:.1f} s lost, {usd(r['usd_lost'])}"
+                if r["lost_s"] is not None else "")
+        out.append(f"  {r['cause']} after try {r['try']}: {code}{why} at step {r['step']}"
+                   f"{notice}{redone}{lost}")
+    t = ledger["totals"]
+    per = [f"{usd(t['usd_per_epoch'])}/epoch" if t["usd_per_epoch"] is not None else "",
+           f"{usd(t['usd_per_1000_steps'])}/1000 steps"
+           if t["usd_per_1000_steps"] is not None else ""]
+    out.append(f"  total {usd(t['usd'])}" + (f" (volumes {usd(t['volumes_usd'])})"
+                                              if t["volumes_usd"] else "")
+               + (f" + {t['unpriced_nodes']} nodes without a known price"
+                  if t["unpriced_nodes"] else "")
+               + (f" for {t['steps']} steps" if t["steps"] is not None else "")
+               + (f", {', '.join(p for p in per if p)}" if any(per) else "")
+               + f"; lost to {t['preemptions']} preemptions {usd(t['usd_lost_to_preemptions'])},"
+               f" to {t['failures']} failures {usd(t['usd_lost_to_failures'])}; on demand "
+               + (usd(t["on_demand_usd"]) if t["on_demand_usd"] is not None
+                  else "unknown (cluster.on_demand_prices lacks a type)"))
+    return out

@@ -1,15 +1,26 @@
 """`launch` on spot nodes: run the job, and when nodes are taken away, get nodes again
-and resume, up to cluster.max_restarts times.
+and resume, within two budgets counted apart.
 
     run the job (the trainer's resume=auto picks up the newest checkpoint)
     exit 0                            done
-    exit 75 (preempted), 69 (a rank   a restart: wait (up to cluster.notice_wait_s) for the
-    was lost), or a node not running  noticed node to leave `running`, replace the lost
-    (or no longer reachable by ssh)   nodes (on EC2: the same type, else the next of
+    exit 75: preempted (a spot        a preemption, up to cluster.max_preemptions: wait
+    notice or SIGTERM reached the     (up to cluster.notice_wait_s) for the noticed node
+    trainer, which saved a            to leave `running`, replace the lost nodes (on EC2:
+    checkpoint)                       the same type, else the next of
                                       cluster.instance_types, in the run's zone); if none
                                       can be had, go on with the survivors when they are
                                       at least cluster.min_nodes
-    any other exit                    the job's own failure: stop
+    exit 69 (a rank was lost), any    a failure, up to cluster.max_restarts: the same,
+    other crash, or a node not        without the wait. The same exit at the same step as
+    running (or no longer reachable   the try before stops the run: a failure that repeats
+    by ssh) without a notice          where it happened is the job's own (a bug), and
+                                      another try would fail the same way
+    exit 2 (bad input), 65 (diverged) the job's own verdict: stop
+
+Each try is recorded in state.json ("tries": when it ran, on which nodes, how it ended,
+the step it reached and resumed from, the trainer's notice and checkpoint times), which
+launch/ledger.py turns into the run's bill; the run's end says how much of each budget
+it spent.
 
 On fewer (or again more) workers the global batch stays what it was: train.accumulation
 (and, where it must, train.batch_size) make up for the missing workers, so with the
@@ -22,59 +33,119 @@ them (the trainer resumes from S3 on the new node 0).
 from __future__ import annotations
 
 import logging
+import time
 
 from omegaconf import DictConfig
 
+from launch import tries
 from launch.provider import NoCapacity, Node, Provider
 from launch.run import run as run_job
 from launch.rundir import RunDir
 from launch.ssh import RemoteError
 from launch.up import admit
 from trainer import config as trainer_config
-from trainer.exits import EXIT_PEER_LOST, EXIT_PREEMPTED
+from trainer.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_OK, EXIT_PREEMPTED
 from trainer.polling import poll
 
 log = logging.getLogger("launch")
 
+PREEMPTION, FAILURE = "preemption", "failure"  # the causes of a restart, each its budget
+_BUDGET_KEYS = {PREEMPTION: "max_preemptions", FAILURE: "max_restarts"}
 # Trainer arguments the launcher sets itself on a restart.
 _OWN_ARGS = ("resume=", "train.batch_size=", "train.accumulation=")
 
 
 def supervise(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
-    """Run the job on the run's nodes until it ends; replace lost nodes between tries."""
+    """Run the job on the run's nodes until it ends; replace lost nodes between tries.
+    Returns the last try's exit code; the last line logged says what each budget spent."""
     batch = _batch(cfg.job.args)
     workers = sum(n.slots for n in run.nodes())
-    if cfg.cluster.max_restarts and not any(a.startswith("checkpoint.uri=")
-                                            for a in cfg.job.args):
+    c = cfg.cluster
+    if (c.max_restarts or c.max_preemptions) and not any(
+            a.startswith("checkpoint.uri=") for a in cfg.job.args):
         log.info("recover: checkpoints stay on node 0; should node 0 itself be lost, the job "
                  "starts over. checkpoint.uri=s3://bucket/prefix keeps them in S3 instead")
-    restarts = 0
-    while True:
-        try:
-            code = run_job(cfg, run, provider)
-        except RemoteError as e:  # ssh to a node failed: lost, or a failure of its own
-            code, unreachable = None, e
-        if code == 0:
-            return 0
-        if restarts >= cfg.cluster.max_restarts:
-            if code is None:
-                raise unreachable
-            log.info("recover: exit %d, and no restarts left (cluster.max_restarts=%d)",
-                     code, cfg.cluster.max_restarts)
-            return code
-        lost = _lost_nodes(cfg, run, provider, waiting=code == EXIT_PREEMPTED)
-        if code not in (EXIT_PREEMPTED, EXIT_PEER_LOST) and not lost:
-            if code is None:
-                raise unreachable
-            return code  # the job failed by itself: another try would fail the same way
-        restarts += 1
-        log.info("recover: restart %d of %d: %s, lost %s", restarts,
-                 cfg.cluster.max_restarts,
-                 f"exit {code}" if code is not None else f"ssh failed ({unreachable})",
-                 ", ".join(n.id for n in lost) or "no node (every node still runs)")
-        nodes = _replace(cfg, run, provider, lost)
-        cfg.job.args = _restart_args(cfg.job.args, batch, workers,
-                                     sum(n.slots for n in nodes))
+    budgets = {PREEMPTION: c.max_preemptions, FAILURE: c.max_restarts}
+    spent = dict.fromkeys(budgets, 0)
+    try:
+        while True:
+            nodes = [n.id for n in run.nodes()]
+            started = time.time()
+            try:
+                code, unreachable = run_job(cfg, run, provider), None
+            except RemoteError as e:  # ssh to a node failed: lost, or a failure of its own
+                code, unreachable = None, e
+            outcome = tries.outcome(run, started, nodes, code)
+            cause, lost = _cause(code), []
+            stop = _why_stop(cause, code, spent, budgets)
+            if stop is None and cause is not None:
+                lost = _lost_nodes(cfg, run, provider, waiting=cause == PREEMPTION)
+                if not lost and cause == FAILURE:  # no node to blame
+                    stop = _repeated(code, outcome, run.tries(), spent[FAILURE],
+                                     budgets[FAILURE])
+            tries.record(run, outcome, None if stop else cause, [n.id for n in lost])
+            if code == 0:
+                return 0
+            if stop is not None:
+                log.info("recover: %s: %s; stopping", _ended(code, outcome, unreachable), stop)
+                if code is None:
+                    raise unreachable
+                return code
+            spent[cause] += 1
+            log.info("recover: %s %d of %d (cluster.%s): %s, lost %s", cause, spent[cause],
+                     budgets[cause], _BUDGET_KEYS[cause], _ended(code, outcome, unreachable),
+                     ", ".join(n.id for n in lost) or "no node (every node still runs)")
+            now = _replace(cfg, run, provider, lost)
+            cfg.job.args = _restart_args(cfg.job.args, batch, workers,
+                                         sum(n.slots for n in now))
+    finally:
+        log.info("recover: the run spent %s", ", ".join(
+            f"{spent[k]} of {budgets[k]} {k}s (cluster.{_BUDGET_KEYS[k]})" for k in budgets))
+
+
+def _cause(code: int | None) -> str | None:
+    """What a try's exit makes of a restart: a preemption, a failure, or none (done, or
+    the job's own verdict on its input or its loss)."""
+    if code in (EXIT_OK, EXIT_CONFIG, EXIT_DIVERGED):
+        return None
+    return PREEMPTION if code == EXIT_PREEMPTED else FAILURE
+
+
+def _why_stop(cause: str | None, code: int | None, spent: dict[str, int],
+              budgets: dict[str, int]) -> str | None:
+    """Why the run stops after this try, whatever it lost (None: it goes on, or it is
+    done)."""
+    if code == EXIT_OK:
+        return None
+    if cause is None:
+        return ("the job's own verdict (bad input or a diverged loss); another try would "
+                "end the same")
+    if spent[cause] >= budgets[cause]:
+        return (f"no {cause}s left ({spent[cause]} of cluster.{_BUDGET_KEYS[cause]}="
+                f"{budgets[cause]} spent)")
+    return None
+
+
+def _repeated(code: int | None, outcome: dict, before: list[dict], spent: int,
+              budget: int) -> str | None:
+    """Why a failure that lost no node stops the run: ssh failed to a node that runs, or
+    the job failed as the try before did, with the same exit at the same step (a bug in
+    the job, not the cloud: another try would fail the same way)."""
+    if code is None:
+        return "ssh failed to a node that still runs"
+    last = before[-1] if before else None
+    if last is not None and (last["exit"], last["step"]) == (code, outcome["step"]):
+        return (f"the same exit at the same step as the try before, which looks like a bug "
+                f"in the job, not the cloud; not spending cluster.max_restarts on it "
+                f"({spent} of {budget} spent)")
+    return None
+
+
+def _ended(code: int | None, outcome: dict, unreachable: RemoteError | None) -> str:
+    how = f"exit {code}" if code is not None else f"ssh failed ({unreachable})"
+    step = f" at step {outcome['step']}" if outcome["step"] is not None else ""
+    why = f" ({outcome['reason']})" if outcome.get("reason") else ""
+    return how + why + step
 
 
 def _lost_nodes(cfg: DictConfig, run: RunDir, provider: Provider,
@@ -95,7 +166,9 @@ def _lost_nodes(cfg: DictConfig, run: RunDir, provider: Provider,
 
 def _replace(cfg: DictConfig, run: RunDir, provider: Provider, lost: list[Node]) -> list[Node]:
     """The nodes to restart on: the survivors and replacements for the lost, or the
-    survivors alone when no replacement can be had and they are enough."""
+    survivors alone when no replacement can be had and they are enough. The lost nodes
+    leave the bill now, when they were found lost, not once their replacements run."""
+    found_at = time.time()
     gone = {n.id for n in lost}
     survivors = [n for n in run.nodes() if n.id not in gone]
     if not lost:
@@ -114,7 +187,7 @@ def _replace(cfg: DictConfig, run: RunDir, provider: Provider, lost: list[Node])
                  "(cluster.min_nodes=%d)", e, len(survivors), cfg.cluster.min_nodes)
         new = []
     nodes = survivors + new
-    run.retire(lost)
+    run.retire(lost, at=found_at)
     admit(cfg, run, nodes, new)
     return nodes
 

@@ -2,7 +2,9 @@
 
     launch.yaml        the config `up` composed; later commands take the cluster from it
     state.json         the nodes (addresses, type, zone, price), when they came and went,
-                       and those that left the run (lost spot nodes) for the bill
+                       those that left the run (lost spot nodes) for the bill, and each
+                       try of the job with how it ended (launch/tries.py)
+    ledger.json        the run's bill, node by node and restart by restart (launch/ledger.py)
     id_ed25519[.pub]   the run's SSH key pair (private key 0600, never leaves this machine
                        except to node 0, which uses it to reach the other nodes, and for a
                        sweep under horovodrun or mpirun to the first node of each slice)
@@ -32,6 +34,13 @@ from launch.provider import Node
 from trainer.config import ConfigError
 
 
+def write_json(path: Path, value) -> None:
+    """``value`` as JSON at ``path``, atomically: a crash keeps the old file or none."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2))
+    os.replace(tmp, path)
+
+
 class RunDir:
     """The paths of one run's files, and its state."""
 
@@ -52,6 +61,7 @@ class RunDir:
     hosts_mpich = property(lambda self: self.path / "hosts.mpich")
     job_log = property(lambda self: self.path / "job.log")
     job = property(lambda self: self.path / "job")
+    ledger = property(lambda self: self.path / "ledger.json")
 
     @classmethod
     def planned(cls, runs_dir: str | Path) -> RunDir:
@@ -88,10 +98,7 @@ class RunDir:
 
     def save(self, **changes) -> None:
         """Merge ``changes`` into state.json, atomically (a crash keeps the old file)."""
-        state = self.state() | changes
-        tmp = self.path / "state.json.tmp"
-        tmp.write_text(json.dumps(state, indent=2))
-        os.replace(tmp, self.path / "state.json")
+        write_json(self.path / "state.json", self.state() | changes)
 
     def nodes(self) -> list[Node]:
         return [Node(**n) for n in self.state().get("nodes", [])]
@@ -99,10 +106,10 @@ class RunDir:
     def save_nodes(self, nodes: list[Node]) -> None:
         self.save(nodes=[asdict(n) for n in nodes])
 
-    def retire(self, nodes: list[Node]) -> None:
+    def retire(self, nodes: list[Node], at: float | None = None) -> None:
         """Record nodes that left the run (taken back by EC2, or replaced): they were
-        billed until now, and `cost` still counts them."""
-        left = [{**asdict(n), "left_at": time.time()} for n in nodes]
+        billed until ``at`` (default now), and `cost` still counts them."""
+        left = [{**asdict(n), "left_at": time.time() if at is None else at} for n in nodes]
         self.save(retired=self.state().get("retired", []) + left)
 
     def billed(self) -> list[tuple[Node, float]]:
@@ -111,3 +118,7 @@ class RunDir:
         retired = [(Node(**{k: v for k, v in n.items() if k != "left_at"}), n["left_at"])
                    for n in state.get("retired", [])]
         return retired + [(n, None) for n in self.nodes()]
+
+    def tries(self) -> list[dict]:
+        """The job's tries so far, as launch/tries.py records them."""
+        return self.state().get("tries", [])

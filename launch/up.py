@@ -5,7 +5,8 @@
     3. provider.create(N): all or nothing
     4. ssh-keyscan into known_hosts, a first login, hosts and hosts.mpich, the command
 
-If anything fails, or Ctrl-C comes, once the nodes exist, everything is taken down again.
+If anything fails, or Ctrl-C comes, once the nodes exist, everything is taken down again
+(launch.down.down_after: what cannot be deleted is named after the reason up failed).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import shlex
 from omegaconf import DictConfig
 
 from launch import hostfile
-from launch.down import down
+from launch.down import down_after
 from launch.provider import Node, Provider
 from launch.run import job_for, ssh_for
 from launch.rundir import RunDir
@@ -32,9 +33,9 @@ def up(cfg: DictConfig, run: RunDir, provider: Provider) -> list[Node]:
     nodes = provider.create(cfg.nodes)
     try:
         admit(cfg, run, nodes, nodes)
-    except BaseException:
+    except BaseException as e:
         log.info("up: failed; taking the nodes down")
-        down(run, provider)
+        down_after(run, provider, e)
         raise
     slots = sum(n.slots for n in nodes)
     log.info("up: %d nodes, %d slots; wrote %s, %s and %s", len(nodes), slots, run.hosts,

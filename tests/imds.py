@@ -18,9 +18,11 @@ TOKEN = "stub-imds-token"
 
 
 class MetadataStub:
-    def __init__(self, unavailable: int = 0) -> None:
+    def __init__(self, unavailable: int = 0,
+                 address: tuple[str, int] = ("127.0.0.1", 0)) -> None:
         """``unavailable``: answer the first that many token requests 503, as a busy
-        new instance's metadata service may."""
+        new instance's metadata service may. ``address``: where to listen (port 0: any
+        free one)."""
         self.unavailable = unavailable
         self.instance_action: dict | None = None
         self.rebalance: dict | None = None
@@ -62,8 +64,8 @@ class MetadataStub:
                     return self._reply(404)
                 self._reply(200, json.dumps(document).encode())
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server = ThreadingHTTPServer(address, Handler)
+        self.url = "http://{}:{}".format(*self.server.server_address)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def announce_interruption(self, seconds_ahead: int = 120) -> float:

@@ -20,9 +20,11 @@ import pytest
 import urllib3
 from botocore.awsrequest import AWSResponse
 from botocore.exceptions import ClientError
+from omegaconf import OmegaConf
 
 from launch import config
 from launch.aws.provider import AwsSpot
+from launch.cost import usd
 from launch.provider import NoCapacity
 from launch.rundir import RunDir
 from launch.ssh import new_key
@@ -152,7 +154,8 @@ def test_up_status_cost_down(cli, tmp_path):
     assert "g5.12xlarge" in cost.stdout and f"cost: run {run.id}: 2 nodes" in cost.stdout
     other = cli("cost", "nodes=4", "cluster.instance_types=[g4dn.xlarge]")  # another cluster
     assert "cost: 4 nodes" in other.stdout and "g4dn.xlarge" in other.stdout
-    assert "g5.12xlarge" not in other.stdout and f"cost: run {run.id}: 2 nodes" in other.stdout
+    now, _, bill = other.stdout.partition(f"cost: run {run.id}: 2 nodes")
+    assert "g5.12xlarge" not in now and bill
 
     down = cli("down")
     assert f"deleted fleet {fleet['FleetId']}" in down.stdout
@@ -177,14 +180,20 @@ def test_cost_of_a_run(cli, tmp_path):
     nodes, destroyed = state(run.path)["nodes"], state(run.path)["destroyed_at"]
     price = nodes[0]["price"]  # moto's spot price, the same everywhere
     assert price > 0 and all(n["price"] == price for n in nodes)
-    node_hours = sum(destroyed - n["launched_at"] for n in nodes) / 3600
+    # EC2 bills per second with a minimum of 60 s, and each node's gp3 volume likewise.
+    node_hours = sum(max(60, destroyed - n["launched_at"]) for n in nodes) / 3600
+    cluster = OmegaConf.load(run.config).cluster
+    volumes = node_hours * cluster.volume_gb * cluster.volume_usd_per_gb_month / 730
+    total = node_hours * price + volumes
     training = 0.5 * 2 * price  # half an hour on two nodes
 
     out = cli("cost").stdout
-    assert f"2 nodes, {node_hours:.4f} node-hours, ${node_hours * price:.3g}" in out
+    assert f"2 nodes, {node_hours:.4f} node-hours, {usd(total)}" in out
     assert f"training: 1800.0 s for 3.000 epochs on 2 workers: ${training:.3g}, " \
            f"${training / 3:.3g}/epoch; the whole run (start-up, restarts, idle): " \
-           f"${node_hours * price / 3:.3g}/epoch over 3.000 epochs" in out
+           f"{usd(total / 3)}/epoch over 3.000 epochs" in out
+    ledger = json.loads(run.ledger.read_text())
+    assert ledger["totals"]["usd"] == pytest.approx(total, rel=1e-9)
 
 
 def test_launch_takes_everything_down_after_an_error(cli, tmp_path):
@@ -313,6 +322,8 @@ def test_a_placement_group_where_the_type_supports_one(aws, tmp_path):
         {"GroupName": name, "Strategy": "cluster", "State": "available", "Tags": tags}]},
         {"Filters": [{"Name": "tag:spotring:run-id", "Values": [run_id]}]})
     gaps.add_response("delete_placement_group", {}, {"GroupName": name})
+    gaps.add_response("describe_placement_groups", {"PlacementGroups": []},  # the look again
+                      {"Filters": [{"Name": "tag:spotring:run-id", "Values": [run_id]}]})
     with gaps:
         done = aws_spot.destroy()
     gaps.assert_no_pending_responses()
@@ -421,9 +432,9 @@ def test_throttled_calls_are_retried(aws, tmp_path, monkeypatch):
     """AWS throttles an account's API calls (RequestLimitExceeded); moto never does. So
     the first call of each service is answered here with AWS's throttling error, in the
     HTTP layer (botocore's before-send), where botocore's retries see it as they would
-    AWS's. The environment allows one attempt: only the launcher's own retry config
-    gets past."""
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    AWS's: the launcher's own retry config, with no AWS_MAX_ATTEMPTS to say otherwise."""
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS", raising=False)
+    monkeypatch.delenv("AWS_RETRY_MODE", raising=False)
     aws_spot = provider(tmp_path)
     throttled = []
 
@@ -440,6 +451,31 @@ def test_throttled_calls_are_retried(aws, tmp_path, monkeypatch):
     aws_spot.check()  # STS, then EC2: the credentials, the types, the subnets, the AMI
     assert throttled == [["sts", "GetCallerIdentity"], ["ec2", "DescribeInstanceTypes"]]
     assert aws_spot.preflight.ami == AMI
+
+
+def test_up_failing_at_the_placement_group_deletes_the_rest(cli, tmp_path):
+    """moto has no placement groups: it answers their calls with HTTP 500, the creation
+    and the look-up alike. `up` fails there, and the teardown after it must still delete
+    the key pair and the security group made before, and then name what it could not
+    look up, with the command that tries again, after why `up` failed."""
+    proc = cli("up", "nodes=1", "cluster.placement_group=true", expect=1,
+               AWS_MAX_ATTEMPTS="2")
+    run = only_run(tmp_path)
+    why, left = proc.stderr.split(f"\npython -m launch up: run {run.id}: ")
+    assert why.startswith("python -m launch up: failed: ") and "500 Internal Server" in why
+    lines = left.splitlines()
+    assert lines[:3] == ["still there after every deletion was tried:",
+                         "  - placement groups: unknown (their look-up failed)", "  because:"]
+    assert lines[3].startswith("  - describe placement groups: ") and "500 Internal" in lines[3]
+    assert lines[4].startswith("  - describe placement groups again: ")
+    assert lines[5:] == [f"  `spotring down run_id={run.id}` tries again"]
+    assert "deleted security group" in proc.stdout and "deleted key pair" in proc.stdout
+    assert tagged(run.id) == {}
+    # `down` cannot look them up either: it says so, and exits 1, every time.
+    again = cli("down", expect=1, AWS_MAX_ATTEMPTS="1")
+    assert again.stderr.startswith(f"python -m launch down: failed: run {run.id}: still there "
+                                   "after every deletion was tried:\n  - placement groups: ")
+    assert "destroyed_at" not in state(run.path)
 
 
 @pytest.mark.parametrize("operation", [

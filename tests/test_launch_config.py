@@ -40,6 +40,12 @@ def problems(*overrides: str) -> str:
     (["cluster.max_price=0"], "cluster.max_price=0.0: must be positive"),
     (["nodes=4", "cluster.min_nodes=5"], "cluster.min_nodes=5: must be from 1 to nodes=4"),
     (["cluster.max_restarts=-1"], "cluster.max_restarts=-1: must be 0 or more"),
+    (["cluster.max_preemptions=-1"], "cluster.max_preemptions=-1: must be 0 or more"),
+    (["cluster.on_demand_prices={g5.xlarge: -1}"], "cluster.on_demand_prices: g5.xlarge=-1.0: "
+                                                   "$/hour per instance type, 0 or more"),
+    (["cluster.volume_usd_per_gb_month=-0.08"], "cluster.volume_usd_per_gb_month=-0.08: $ per "
+                                                "GB-month, 0 or more"),
+    (["cluster=local", "cluster.price=-1"], "cluster.price=-1.0: $/hour per node, 0 or more"),
     (["job.launcher=srun"], "job.launcher=srun: unknown (did you mean mpirun?); valid: "
                             "horovodrun, mpirun, torchrun"),
     (["cluster=local", "cluster.subnet=10.0.0.0/28"], "cluster.subnet=10.0.0.0/28: must be an "
@@ -78,7 +84,7 @@ def test_min_nodes_follows_nodes_and_the_defaults_are_valid():
     for cluster in config.CLUSTERS:
         cfg = config.compose([f"cluster={cluster}", "nodes=8"])
         config.validate(cfg)
-        assert cfg.cluster.min_nodes == 8 and cfg.cluster.max_restarts == 0
+        assert cfg.cluster.min_nodes == 8
     cfg = config.compose(["cluster.ssh_user=ec2-user"])
     assert cfg.cluster.workdir == "/home/ec2-user/spotring"
 

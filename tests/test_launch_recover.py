@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import time
 
 import pytest
 from omegaconf import OmegaConf
@@ -16,7 +18,7 @@ from launch.provider import NoCapacity, Node, Provider
 from launch.recover import _replace, _restart_args, keep_global_batch, supervise
 from launch.rundir import RunDir
 from launch.ssh import RemoteError
-from trainer.exits import EXIT_PEER_LOST, EXIT_PREEMPTED
+from trainer.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PEER_LOST, EXIT_PREEMPTED, PREEMPTED
 
 
 @pytest.mark.parametrize("before, workers, now, after", [
@@ -98,55 +100,120 @@ class Fleet(Provider):
     plan = check = create = destroy = None
 
 
-def supervised(tmp_path, monkeypatch, codes, listed, max_restarts=1):
-    """supervise() over jobs that exit with ``codes`` in turn (an exception is raised)."""
+def supervised(tmp_path, monkeypatch, tries, listed, max_restarts=1, max_preemptions=1):
+    """supervise() over jobs that end as ``tries`` say in turn: (exit code, the step its
+    last train record names), or an exception to raise. A job that exits 75 leaves rank
+    0's note at that step, as the trainer does."""
     run = RunDir(tmp_path / "run")
     run.path.mkdir(parents=True)
     run.save_nodes([node(0), node(1)])
-    codes = iter(codes)
+    tries = iter(tries)
 
     def job(cfg, run, provider):
-        code = next(codes)
-        if isinstance(code, Exception):
-            raise code
+        end = next(tries)
+        if isinstance(end, Exception):
+            raise end
+        code, step = end
+        run.job.mkdir(exist_ok=True)
+        with open(run.job / "metrics.jsonl", "a") as metrics:
+            metrics.write(json.dumps({"time": time.time(), "kind": "train", "step": step}) + "\n")
+        (run.job / PREEMPTED).unlink(missing_ok=True)
+        if code == EXIT_PREEMPTED:
+            (run.job / PREEMPTED).write_text(json.dumps({"reason": "SIGTERM", "step": step}))
         return code
 
     monkeypatch.setattr("launch.recover.run_job", job)
     monkeypatch.setattr("launch.recover.admit", lambda cfg, run, nodes, new:
                         run.save_nodes(nodes))
     cfg = OmegaConf.create({"job": {"args": ["train.batch_size=32"]}, "cluster": {
-        "min_nodes": 2, "max_restarts": max_restarts, "notice_wait_s": 3600,
-        "notice_poll_s": 0.01}})
+        "min_nodes": 2, "max_restarts": max_restarts, "max_preemptions": max_preemptions,
+        "notice_wait_s": 3600, "notice_poll_s": 0.01}})
     provider = Fleet(listed)
     return supervise(cfg, run, provider), provider, run, cfg
 
 
 def test_a_node_no_longer_listed_is_lost_and_replaced(tmp_path, monkeypatch):
-    code, provider, run, cfg = supervised(tmp_path, monkeypatch, [EXIT_PEER_LOST, 0],
-                                          listed=[node(0)])
+    code, provider, run, cfg = supervised(tmp_path, monkeypatch,
+                                          [(EXIT_PEER_LOST, 30), (0, 100)], listed=[node(0)])
     assert code == 0
     assert provider.replaced == [["n1"]]
     assert [n.id for n in run.nodes()] == ["n0", "n9"]
     assert "resume=auto" in cfg.job.args
+    assert [(t["exit"], t["step"], t["restart"], t["lost"]) for t in run.tries()] == [
+        (EXIT_PEER_LOST, 30, "failure", ["n1"]), (0, 100, None, [])]
 
 
-def test_without_restarts_left_the_code_comes_back_at_once(tmp_path, monkeypatch):
+def test_without_preemptions_left_the_code_comes_back_at_once(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, "launch")
     # notice_wait_s=3600: waiting for the noticed node to go would hang this test.
-    code, provider, _, _ = supervised(tmp_path, monkeypatch, [EXIT_PREEMPTED],
-                                      listed=[node(0), node(1)], max_restarts=0)
+    code, provider, _, _ = supervised(tmp_path, monkeypatch, [(EXIT_PREEMPTED, 30)],
+                                      listed=[node(0), node(1)], max_preemptions=0)
     assert code == EXIT_PREEMPTED
     assert provider.replaced == []
+    assert "no preemptions left (0 of cluster.max_preemptions=0 spent); stopping" in caplog.text
 
 
-def test_a_failure_of_the_job_itself_is_not_retried(tmp_path, monkeypatch):
-    code, provider, _, _ = supervised(tmp_path, monkeypatch, [1], listed=[node(0), node(1)])
-    assert code == 1
-    assert provider.replaced == []
+def test_a_second_preemption_beyond_the_budget_stops_the_run(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, "launch")
+    code, provider, _, _ = supervised(tmp_path, monkeypatch,
+                                      [(EXIT_PREEMPTED, 30), (EXIT_PREEMPTED, 60)],
+                                      listed=[node(0)], max_preemptions=1, max_restarts=5)
+    assert code == EXIT_PREEMPTED and provider.replaced == [["n1"]]
+    assert "recover: preemption 1 of 1 (cluster.max_preemptions): exit 75 (SIGTERM) at step " \
+           "30, lost n1" in caplog.text
+    assert "recover: exit 75 (SIGTERM) at step 60: no preemptions left (1 of " \
+           "cluster.max_preemptions=1 spent); stopping" in caplog.text
+    assert caplog.messages[-1] == ("recover: the run spent 1 of 1 preemptions (cluster."
+                                   "max_preemptions), 0 of 5 failures (cluster.max_restarts)")
+
+
+def test_failures_and_preemptions_spend_budgets_of_their_own(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, "launch")
+    code, provider, _, _ = supervised(
+        tmp_path, monkeypatch, [(EXIT_PEER_LOST, 30), (EXIT_PREEMPTED, 60), (0, 100)],
+        listed=[node(0)], max_preemptions=1, max_restarts=1)
+    assert code == 0 and len(provider.replaced) == 2
+    assert caplog.messages[-1] == ("recover: the run spent 1 of 1 preemptions (cluster."
+                                   "max_preemptions), 1 of 1 failures (cluster.max_restarts)")
+    # A failure beyond its budget stops the run, preemptions left or not.
+    code, provider, _, _ = supervised(
+        tmp_path / "again", monkeypatch, [(EXIT_PEER_LOST, 30), (EXIT_PEER_LOST, 60)],
+        listed=[node(0)], max_preemptions=3, max_restarts=1)
+    assert code == EXIT_PEER_LOST and len(provider.replaced) == 1
+    assert "recover: exit 69 at step 60: no failures left (1 of cluster.max_restarts=1 " \
+           "spent); stopping" in caplog.text
+
+
+def test_a_crash_is_retried_but_not_when_it_repeats_at_the_same_step(tmp_path, monkeypatch,
+                                                                    caplog):
+    caplog.set_level(logging.INFO, "launch")
+    every_node = [node(0), node(1)]
+    code, provider, run, _ = supervised(tmp_path, monkeypatch, [(1, 40), (1, 40)],
+                                        listed=every_node, max_restarts=5)
+    assert code == 1 and provider.replaced == []
+    assert "recover: failure 1 of 5 (cluster.max_restarts): exit 1 at step 40, lost no node " \
+           "(every node still runs)" in caplog.text
+    assert "recover: exit 1 at step 40: the same exit at the same step as the try before, " \
+           "which looks like a bug in the job, not the cloud; not spending " \
+           "cluster.max_restarts on it (1 of 5 spent); stopping" in caplog.text
+    assert [t["restart"] for t in run.tries()] == ["failure", None]
+    # At another step, or with another exit, it is a failure like any other.
+    code, _, _, _ = supervised(tmp_path / "other", monkeypatch, [(1, 40), (1, 50), (0, 100)],
+                               listed=every_node, max_restarts=5)
+    assert code == 0
+
+
+@pytest.mark.parametrize("verdict", [EXIT_CONFIG, EXIT_DIVERGED])
+def test_the_jobs_own_verdict_is_not_retried(tmp_path, monkeypatch, verdict):
+    code, provider, _, _ = supervised(tmp_path, monkeypatch, [(verdict, 0)],
+                                      listed=[node(0)], max_restarts=5)
+    assert code == verdict and provider.replaced == []
 
 
 def test_ssh_failing_to_a_node_that_was_lost_is_a_restart(tmp_path, monkeypatch):
     error = RemoteError(node(1), "tar -xzmf -", 255, "Connection refused")
-    code, provider, _, _ = supervised(tmp_path, monkeypatch, [error, 0], listed=[node(0)])
+    code, provider, _, _ = supervised(tmp_path, monkeypatch, [error, (0, 100)],
+                                      listed=[node(0)])
     assert code == 0
     assert provider.replaced == [["n1"]]
     with pytest.raises(RemoteError, match="Connection refused"):  # every node still runs
@@ -156,6 +223,7 @@ def test_ssh_failing_to_a_node_that_was_lost_is_a_restart(tmp_path, monkeypatch)
 def test_a_lost_nodes_hours_stay_on_the_bill(tmp_path):
     run = RunDir(tmp_path / "run")
     run.path.mkdir()
+    OmegaConf.save({"cluster": {"name": "aws_spot"}}, run.config)
     hour = 3600.0
     lost, kept, new = (dataclasses.replace(node(i), launched_at=t, price=1.0)
                        for i, t in ((1, 0.0), (0, 0.0), (9, hour)))
@@ -169,7 +237,7 @@ def test_a_lost_nodes_hours_stay_on_the_bill(tmp_path):
     (run.job / "summary.json").write_text(json.dumps({
         "train_seconds": hour, "epochs": 4.0, "steps": 400, "steps_this_run": 200,
         "world_size": 2}))
-    bill, training = after_run(run)
+    bill, training = after_run(run)[:2]
     # n0 2 h, n1 1 h until lost, n9 1 h since it came: 4 node-hours at $1.
     assert bill == f"cost: run {run.id}: 3 nodes (1 of them lost and replaced), " \
                    "4.0000 node-hours, $4.0000"

@@ -60,7 +60,7 @@ class S3Store:
         import boto3
         from boto3.s3.transfer import TransferConfig
 
-        from trainer.aws import RETRIES
+        from trainer.aws import retries
 
         parsed = urlparse(uri)
         if parsed.scheme != "s3" or not parsed.netloc:
@@ -68,7 +68,7 @@ class S3Store:
         self.bucket = parsed.netloc
         self.prefix = parsed.path.strip("/")
         self.where = uri.rstrip("/")
-        self.client = boto3.client("s3", config=RETRIES)
+        self.client = boto3.client("s3", config=retries())
         self.transfer = TransferConfig(multipart_threshold=PART_BYTES,
                                        multipart_chunksize=PART_BYTES)
 

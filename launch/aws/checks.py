@@ -2,6 +2,9 @@
 bad input it catches there: no credentials, an instance type the region does not offer,
 a subnet that does not exist or lies outside cluster.zones, an AMI that cannot be found,
 no default VPC and no subnet given, no way to find this machine's address for SSH.
+AWS failing to answer (5xx, throttling, a dropped connection, once botocore's retries are
+spent) says nothing of the input: that error goes on as it is, a failure (exit 1), not
+bad input (exit 2).
 """
 
 from __future__ import annotations
@@ -9,12 +12,21 @@ from __future__ import annotations
 import urllib.request
 from dataclasses import dataclass
 
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    NoCredentialsError,
+    PartialCredentialsError,
+)
 from omegaconf import DictConfig
 
 from launch.aws.clients import client
 from launch.config import ssh_cidr_problem
 from trainer.config import ConfigError
+
+# Error codes of a throttled call (AWS's services name it differently).
+THROTTLING = {"Throttling", "ThrottlingException", "RequestLimitExceeded",
+              "TooManyRequestsException", "RequestThrottled", "SlowDown"}
 
 # AWS's own what-is-my-address service: the caller's public IPv4, one line.
 CHECKIP_URL = "https://checkip.amazonaws.com"
@@ -40,6 +52,8 @@ def caller_arn(session) -> str:
     try:
         return client(session, "sts").get_caller_identity()["Arn"]
     except (ClientError, BotoCoreError) as e:
+        if unavailable(e):
+            raise
         raise ConfigError(f"the AWS credentials do not work: {e}. Nothing was created.") from e
 
 
@@ -50,9 +64,20 @@ def preflight(cfg: DictConfig, session, ec2) -> Preflight:
         subnets, vpc = _subnets(ec2, cfg)
         ami, root_device = _ami(session, ec2, cfg)
     except ClientError as e:  # anything else AWS refuses to tell us is no better input
+        if unavailable(e):
+            raise
         raise ConfigError(f"cluster: AWS says {e}. Nothing was created.") from e
     return Preflight(owner, gpus, placement, subnets, vpc, ami, root_device,
                      cfg.ssh_cidr or caller_cidr())
+
+
+def unavailable(error: ClientError | BotoCoreError) -> bool:
+    """Whether ``error`` is AWS not answering rather than refusing: a 5xx, throttling, or
+    (any BotoCoreError but bad credentials) a connection that failed."""
+    if isinstance(error, ClientError):
+        return (error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) >= 500
+                or error.response.get("Error", {}).get("Code") in THROTTLING)
+    return not isinstance(error, NoCredentialsError | PartialCredentialsError)
 
 
 def slots(info: dict) -> int:
@@ -108,6 +133,8 @@ def _ami(session, ec2, cfg: DictConfig) -> tuple[str, str]:
             ami = client(session, "ssm").get_parameter(
                 Name=cfg.ami_ssm_parameter)["Parameter"]["Value"]
         except ClientError as e:
+            if unavailable(e):
+                raise
             raise ConfigError(f"cluster.ami_ssm_parameter={cfg.ami_ssm_parameter}: "
                               f"{e.response['Error']['Code']} in {cfg.region}; give "
                               "cluster.ami=ami-... instead. Nothing was created.") from e

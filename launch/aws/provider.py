@@ -4,7 +4,8 @@
     create    key pair, security group, placement group, launch template (resources.py),
               then fleet attempts (fleet.py) until one gives all N and they all come up
               (instances.py); on any failure everything of the run is deleted again
-    destroy   everything tagged with the run id (or, all_mine, with this owner)
+    destroy   everything tagged with the run id (or, all_mine, with this owner), each
+              resource tried even when others fail; Leftovers names what is still there
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from omegaconf import DictConfig
 
 from launch.aws import checks, clients, fleet, instances, resources, tags, user_data
 from launch.aws.prices import spot_prices
+from launch.down import down_after
 from launch.provider import NoCapacity, Node, Provider
 from launch.rundir import RunDir
 
@@ -103,10 +105,9 @@ class AwsSpot(Provider):
                      f", placement group {name}" if placement else "")
             return self._fleet(count, run_tags, self.preflight.subnets,
                                list(self.cfg.instance_types))
-        except BaseException:
+        except BaseException as e:
             log.info("up: failed; deleting what was made")
-            for line in self.destroy():
-                log.info("up: %s", line)
+            down_after(self.run, self, e)
             raise
 
     def _fleet(self, count: int, run_tags: tags.Tags, subnets: dict[str, str],
@@ -168,7 +169,8 @@ class AwsSpot(Provider):
     def destroy(self, all_mine: bool = False) -> list[str]:
         filters = (tags.owner_filter(self.project, checks.caller_arn(self.session))
                    if all_mine else tags.run_filter(self.run.id))
-        return resources.delete_all(self.ec2, filters, self.cfg.placement_group, self.cfg.poll_s)
+        return resources.delete_all(self.ec2, filters, self.cfg.placement_group,
+                                    self.cfg.poll_s).outcome(self.run.id, all_mine)
 
     def prices(self) -> list[tuple[str, str, float]]:
         zones = list(self.cfg.zones) or None

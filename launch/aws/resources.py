@@ -7,16 +7,25 @@
     4. launch template            4. security groups (free once the instances' network
                                      interfaces are released: retried until then)
                                   5. key pairs
+
+A teardown tries every resource even when calls fail (each call retried by botocore
+first, on throttling, 5xx and dropped connections), keeps each failure, and looks every
+kind up again at the end: what is still there is what `down` names.
 """
 
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
+from botocore.parsers import ResponseParserError
 
 from launch.aws import tags as tagging
 from launch.aws.tags import Tags
+from launch.provider import Teardown
 from trainer.polling import poll
 
 
@@ -73,40 +82,124 @@ def create_launch_template(ec2, name: str, *, ami: str, root_device: str, volume
 
 
 LIVE = ["pending", "running", "stopping", "stopped", "shutting-down"]
+# What still costs money, or still holds its security group: shutting-down is on its way.
+LEFT = ["pending", "running", "stopping", "stopped"]
+# Errors of a deletion or a look-up once botocore's retries are spent (throttling, 5xx,
+# dropped connections; an answer that is not AWS's XML, as a proxy's error page, is a
+# ResponseParserError), or of a wait that ran out: noted, and the teardown goes on.
+CALL_ERRORS = (ClientError, BotoCoreError, ResponseParserError, TimeoutError)
 
 
-def delete_all(ec2, filters: list[dict], placement_groups: bool, poll_s: float) -> list[str]:
-    """Delete what ``filters`` find, in dependency order; one line per deletion."""
-    instances = [i["InstanceId"] for page in ec2.get_paginator("describe_instances").paginate(
-        Filters=[*filters, {"Name": "instance-state-name", "Values": LIVE}])
-        for r in page["Reservations"] for i in r["Instances"]]
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    # (id, how a line names it) of each resource of this kind that ``filters`` find
+    find: Callable[[object, list[dict]], list[tuple[str, str]]]
+
+
+def _instances(ec2, filters: list[dict], states: list[str]) -> list[tuple[str, str]]:
+    pages = ec2.get_paginator("describe_instances").paginate(
+        Filters=[*filters, {"Name": "instance-state-name", "Values": states}])
+    return [(i["InstanceId"], i["InstanceId"]) for page in pages
+            for r in page["Reservations"] for i in r["Instances"]]
+
+
+def _fleets(ec2, filters: list[dict]) -> list[tuple[str, str]]:
     # describe_fleets takes no tag filters: match the tags here.
-    fleets = [f["FleetId"] for page in ec2.get_paginator("describe_fleets").paginate()
-              for f in page["Fleets"] if tagging.matches(f.get("Tags"), filters)
-              and not f["FleetState"].startswith("deleted")]
-    for chunk in range(0, len(fleets), 25):  # DeleteFleets takes 25 instant fleets at a time
-        ec2.delete_fleets(FleetIds=fleets[chunk:chunk + 25], TerminateInstances=True)
-    done = [f"deleted fleet {f}" for f in fleets]
-    if instances:
-        ec2.terminate_instances(InstanceIds=instances)  # those of no fleet, too
-        ec2.get_waiter("instance_terminated").wait(
-            InstanceIds=instances, WaiterConfig={"Delay": poll_s, "MaxAttempts": 120})
-        done += [f"terminated instance {i}" for i in instances]
+    return [(f["FleetId"], f["FleetId"]) for page in ec2.get_paginator("describe_fleets").paginate()
+            for f in page["Fleets"] if tagging.matches(f.get("Tags"), filters)
+            and not f["FleetState"].startswith("deleted")]
 
-    for t in ec2.describe_launch_templates(Filters=filters)["LaunchTemplates"]:
-        ec2.delete_launch_template(LaunchTemplateId=t["LaunchTemplateId"])
-        done.append(f"deleted launch template {t['LaunchTemplateName']}")
-    if placement_groups:
-        for g in ec2.describe_placement_groups(Filters=filters)["PlacementGroups"]:
-            ec2.delete_placement_group(GroupName=g["GroupName"])
-            done.append(f"deleted placement group {g['GroupName']}")
-    for g in ec2.describe_security_groups(Filters=filters)["SecurityGroups"]:
-        _delete_security_group(ec2, g["GroupId"], poll_s)
-        done.append(f"deleted security group {g['GroupId']} ({g['GroupName']})")
-    for k in ec2.describe_key_pairs(Filters=filters)["KeyPairs"]:
-        ec2.delete_key_pair(KeyName=k["KeyName"])
-        done.append(f"deleted key pair {k['KeyName']}")
-    return done
+
+FLEETS = Kind("fleet", _fleets)
+INSTANCES = Kind("instance", lambda ec2, filters: _instances(ec2, filters, LIVE))
+LEFT_INSTANCES = Kind("instance", lambda ec2, filters: _instances(ec2, filters, LEFT))
+TEMPLATES = Kind("launch template", lambda ec2, filters: [
+    (t["LaunchTemplateId"], f"{t['LaunchTemplateId']} ({t['LaunchTemplateName']})")
+    for t in ec2.describe_launch_templates(Filters=filters)["LaunchTemplates"]])
+PLACEMENT_GROUPS = Kind("placement group", lambda ec2, filters: [
+    (g["GroupName"], g["GroupName"])
+    for g in ec2.describe_placement_groups(Filters=filters)["PlacementGroups"]])
+SECURITY_GROUPS = Kind("security group", lambda ec2, filters: [
+    (g["GroupId"], f"{g['GroupId']} ({g['GroupName']})")
+    for g in ec2.describe_security_groups(Filters=filters)["SecurityGroups"]])
+KEY_PAIRS = Kind("key pair", lambda ec2, filters: [
+    (k["KeyName"], k["KeyName"]) for k in ec2.describe_key_pairs(Filters=filters)["KeyPairs"]])
+
+
+def _find(teardown: Teardown, kind: Kind, ec2, filters: list[dict], again: bool = False
+          ) -> list[tuple[str, str]] | None:
+    """What ``kind.find`` finds; None if the look-up failed (noted)."""
+    found: list[tuple[str, str]] = []
+    if teardown.attempt(f"describe {kind.name}s{' again' if again else ''}",
+                        lambda: found.extend(kind.find(ec2, filters))):
+        return found
+    return None
+
+
+def delete_all(ec2, filters: list[dict], placement_groups: bool, poll_s: float) -> Teardown:
+    """Delete what ``filters`` find, in dependency order, instances first: they cost
+    money. Every resource is tried even when calls fail (each call is retried by botocore
+    first); then every kind is looked up again, and what is still there is ``left``."""
+    teardown = Teardown(CALL_ERRORS)
+    fleets = [fleet for fleet, _ in _find(teardown, FLEETS, ec2, filters) or []]
+    instances = _find(teardown, INSTANCES, ec2, filters)
+    for chunk in range(0, len(fleets), 25):  # DeleteFleets takes 25 instant fleets at a time
+        _delete_fleets(ec2, fleets[chunk:chunk + 25], teardown)
+    ids = [i for i, _ in instances or []]
+    terminated = not ids or teardown.attempt(f"terminate instances {', '.join(ids)}",
+                                             partial(_terminate, ec2, ids, poll_s))
+    if ids and terminated:
+        teardown.done += [f"terminated instance {i}" for i in ids]
+    # The instances' network interfaces hold the security group until AWS releases them,
+    # a little after the instances went: worth waiting for only if they are known to.
+    freed = instances is not None and terminated
+
+    deletions = [
+        (TEMPLATES, lambda t: ec2.delete_launch_template(LaunchTemplateId=t)),
+        (PLACEMENT_GROUPS, lambda g: ec2.delete_placement_group(GroupName=g)),
+        (SECURITY_GROUPS, lambda g: (_delete_security_group(ec2, g, poll_s) if freed
+                                     else ec2.delete_security_group(GroupId=g))),
+        (KEY_PAIRS, lambda k: ec2.delete_key_pair(KeyName=k)),
+    ]
+    kinds = [FLEETS, LEFT_INSTANCES]
+    for kind, delete in deletions:
+        if kind is PLACEMENT_GROUPS and not placement_groups:
+            continue
+        kinds.append(kind)
+        for resource, label in _find(teardown, kind, ec2, filters) or []:
+            if teardown.attempt(f"delete {kind.name} {label}", partial(delete, resource)):
+                teardown.done.append(f"deleted {kind.name} {label}")
+
+    for kind in kinds:
+        found = _find(teardown, kind, ec2, filters, again=True)
+        teardown.left += ([f"{kind.name}s: unknown (their look-up failed)"] if found is None
+                          else [f"{kind.name} {label}" for _, label in found])
+    return teardown
+
+
+def _delete_fleets(ec2, fleets: list[str], teardown: Teardown) -> None:
+    """With their instances. AWS answers a fleet it could not delete in the reply."""
+    reply = {}
+
+    def delete() -> None:
+        reply.update(ec2.delete_fleets(FleetIds=fleets, TerminateInstances=True))
+
+    if not teardown.attempt(f"delete fleets {', '.join(fleets)}", delete):
+        return
+    for f in reply.get("UnsuccessfulFleetDeletions", []):
+        error = f.get("Error", {})
+        teardown.failed.append(f"delete fleet {f.get('FleetId')}: {error.get('Code')}: "
+                               f"{error.get('Message')}")
+    teardown.done += [f"deleted fleet {f['FleetId']}"
+                      for f in reply.get("SuccessfulFleetDeletions", [])]
+
+
+def _terminate(ec2, ids: list[str], poll_s: float) -> None:
+    """Those of no fleet too; until they are terminated."""
+    ec2.terminate_instances(InstanceIds=ids)
+    ec2.get_waiter("instance_terminated").wait(
+        InstanceIds=ids, WaiterConfig={"Delay": poll_s, "MaxAttempts": 120})
 
 
 def _delete_security_group(ec2, group_id: str, poll_s: float, timeout_s: float = 300) -> None:

@@ -10,12 +10,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 from omegaconf import DictConfig
 
+from launch.down import down_after
 from launch.local import netns, sshd
-from launch.provider import Node, Provider
+from launch.provider import Node, Provider, Teardown
 from launch.rundir import RunDir
 from trainer.config import ConfigError
 
@@ -43,7 +45,9 @@ class LocalCluster(Provider):
             "hostname and an sshd (host key made here, the run's key authorized)",
             f"each node sees its own workdir at {self.workdir}, its own ~/.ssh and "
             f"/etc/hosts, and this machine's .venv ({sys.prefix}) linked into the workdir",
-            f"{self.cfg.slots} slot(s) per node; no price (this machine)",
+            f"{self.cfg.slots} slot(s) per node; "
+            + (f"priced at ${self.cfg.price}/hour each (cluster.price, a rehearsal: this "
+               "machine bills nothing)" if self.cfg.price else "no price (this machine)"),
         ]
 
     def check(self) -> None:
@@ -68,8 +72,8 @@ class LocalCluster(Provider):
             netns.add_bridge(self.names.bridge, f"{subnet[1]}/{subnet.prefixlen}")
             Path(self.workdir).mkdir(exist_ok=True)  # where each node mounts its own
             return [self._add(i) for i in range(count)]
-        except BaseException:
-            self.destroy()
+        except BaseException as e:
+            down_after(self.run, self, e)
             raise
 
     def _add(self, i: int) -> Node:
@@ -85,7 +89,7 @@ class LocalCluster(Provider):
         sshd.start(ns, node_dir, hostname, Path(self.workdir), self.cfg.ssh_user)
         return Node(id=ns, address=address, private_address=address, slots=self.cfg.slots,
                     type="netns", zone="local", lifecycle="local", launched_at=time.time(),
-                    price=0.0)
+                    price=self.cfg.price)
 
     def describe(self) -> list[Node]:
         alive = set(netns.namespaces(self.names.ns_prefix))
@@ -106,12 +110,18 @@ class LocalCluster(Provider):
     def destroy(self, all_mine: bool = False) -> list[str]:
         ns_prefix = netns.NS_PREFIX if all_mine else self.names.ns_prefix
         link_prefix = netns.ANY_RUNS_LINK if all_mine else self.names.link_prefix
-        done = [self._remove(ns) for ns in netns.namespaces(ns_prefix)]
+        # `ip` failing (RuntimeError), a process we may not signal (OSError): that node only.
+        teardown = Teardown((RuntimeError, OSError))
+        for ns in netns.namespaces(ns_prefix):
+            teardown.attempt(f"delete node {ns}", lambda ns=ns: teardown.done.append(
+                self._remove(ns)))
         # Removing a namespace takes its end of the veth pair along, and usually ours.
         for link in netns.links(link_prefix):
-            netns.delete_link(link)
-            done.append(f"deleted link {link}")
-        return done
+            if teardown.attempt(f"delete link {link}", partial(netns.delete_link, link)):
+                teardown.done.append(f"deleted link {link}")
+        teardown.left = ([f"node {ns}" for ns in netns.namespaces(ns_prefix)]
+                         + [f"link {link}" for link in netns.links(link_prefix)])
+        return teardown.outcome(self.run.id, all_mine)
 
     def _remove(self, ns: str) -> str:
         pids = netns.delete_namespace(ns)

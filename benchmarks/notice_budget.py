@@ -41,7 +41,7 @@ from benchmarks import record
 from benchmarks.report import header, spread, table
 from benchmarks.runs import REPO, shown, trainer_records
 from benchmarks.stats import mean_ci
-from benchmarks.suite import _counts
+from benchmarks.suite import counts
 from launch.commands import local_command, local_environment
 from trainer.exits import EXIT_PREEMPTED, PREEMPTED
 from trainer.preemption import NOTICE_SECONDS
@@ -60,10 +60,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.notice_budget",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--arch", default="resnet50", help="a torchvision classifier (resnet50)")
-    p.add_argument("--repeats", type=_counts, default=3, help="runs, each stopped once (3)")
-    p.add_argument("--steps", type=_counts, default=3,
+    p.add_argument("--repeats", type=counts, default=3, help="runs, each stopped once (3)")
+    p.add_argument("--steps", type=counts, default=3,
                    help="training steps before the signal: past the first, slower ones (3)")
-    p.add_argument("--batch", type=_counts, default=8, help="images per step (8)")
+    p.add_argument("--batch", type=counts, default=8, help="images per step (8)")
     p.add_argument("--name", default="notice_budget",
                    help="the results folder: a name under benchmarks/results, or a path")
     return p

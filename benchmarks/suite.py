@@ -53,7 +53,7 @@ SECTIONS = ("throughput", "allreduce", "batch_sizes", "time_to_accuracy")
 TABLE_MODELS = [m for g in [*batch_sizes.GROUPS, batch_sizes.RESNET50] for m in g.models]
 
 
-def _counts(text: str) -> int:
+def counts(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text}: must be 1 or more")
@@ -74,30 +74,30 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="the results folder: a name under benchmarks/results, or a "
                    "path (default: <time>-bench[-quick])")
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    p.add_argument("--repeats", type=_counts, help="of every run (default: 1 quick, 3 full)")
+    p.add_argument("--repeats", type=counts, help="of every run (default: 1 quick, 3 full)")
     p.add_argument("--engines", nargs="+", choices=list(ENGINES),
                    help="default: every engine this host has")
-    p.add_argument("--workers", nargs="+", type=_counts, default=[1, 2],
+    p.add_argument("--workers", nargs="+", type=counts, default=[1, 2],
                    help="worker counts of the throughput runs, one host (default: 1 2)")
-    p.add_argument("--batch-sizes", nargs="+", type=_counts,
+    p.add_argument("--batch-sizes", nargs="+", type=counts,
                    help="per worker, throughput (default: 64 quick, 32 64 128 full)")
-    p.add_argument("--threads", type=_counts, default=1, help="torch threads per worker")
+    p.add_argument("--threads", type=counts, default=1, help="torch threads per worker")
     p.add_argument("--model", help="a conf/model option, on synthetic data (default: MNIST's "
                    "convnet)")
-    p.add_argument("--shape", nargs=3, type=_counts, default=[1, 28, 28], metavar=("C", "H", "W"),
+    p.add_argument("--shape", nargs=3, type=counts, default=[1, 28, 28], metavar=("C", "H", "W"),
                    help="input of --model")
     p.add_argument("--transports", nargs="+", choices=list(allreduce.TRANSPORTS),
                    help="default: every transport this host has")
     p.add_argument("--table-models", nargs="+", choices=TABLE_MODELS,
                    help="models of the batch-size table (default: all)")
-    p.add_argument("--table-batch-sizes", nargs="+", type=_counts)
+    p.add_argument("--table-batch-sizes", nargs="+", type=counts)
     p.add_argument("--target", type=_accuracy, default=time_to_accuracy.TARGET,
                    help="time to accuracy: the test accuracy to reach (default 0.99)")
-    p.add_argument("--seeds", type=_counts, help="time to accuracy: seeds 0..N-1 of every "
+    p.add_argument("--seeds", type=counts, help="time to accuracy: seeds 0..N-1 of every "
                    "configuration (default: 2 quick, 5 full)")
-    p.add_argument("--evaluations", type=_counts, default=time_to_accuracy.EVALUATIONS,
+    p.add_argument("--evaluations", type=counts, default=time_to_accuracy.EVALUATIONS,
                    help="time to accuracy: evaluations per run, about (default 15)")
-    p.add_argument("--max-steps", type=_counts,
+    p.add_argument("--max-steps", type=counts,
                    help="time to accuracy: stop every run after N steps (smoke tests)")
     return p
 

@@ -22,7 +22,6 @@ Run ids sort by time (20261122-114501-3f2a); the newest run is the one `up` made
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import time
 from dataclasses import asdict
@@ -32,13 +31,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from launch.provider import Node
 from trainer.config import ConfigError
+from trainer.stores import write_atomic
 
 
 def write_json(path: Path, value) -> None:
     """``value`` as JSON at ``path``, atomically: a crash keeps the old file or none."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(value, indent=2).encode())
 
 
 class RunDir:

@@ -43,9 +43,9 @@ from benchmarks.runs import REPO, shown, trainer_records
 from benchmarks.stats import mean_ci
 from benchmarks.suite import counts
 from launch.commands import local_command, local_environment
-from trainer.exits import EXIT_PREEMPTED, PREEMPTED
-from trainer.preemption import NOTICE_SECONDS
-from trainer.stores import write_atomic
+from spotring.exits import EXIT_PREEMPTED, PREEMPTED
+from spotring.preemption import NOTICE_SECONDS
+from spotring.stores import write_atomic
 
 BUCKET = "spotring-notice-budget"
 # Long enough for every run to be stopped by the signal, never by its end or an epoch's

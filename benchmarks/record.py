@@ -20,7 +20,7 @@ from pathlib import Path
 
 from benchmarks import machine
 from benchmarks.runs import REPO, shown
-from trainer.stores import write_atomic
+from spotring.stores import write_atomic
 
 _PACKAGE_RESULTS = Path(__file__).resolve().parent / "results"
 RESULTS = (_PACKAGE_RESULTS if (REPO / "pyproject.toml").is_file()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from benchmarks import plots, record
 from benchmarks.allreduce import size_label
-from trainer.stores import write_atomic
+from spotring.stores import write_atomic
 
 DASH = "-"
 

@@ -222,7 +222,7 @@ def measure(setup: Setup, workload: Workload, timing: Timing, run_dir: Path) -> 
 
 def check_workload(workload: Workload) -> dict[str, int]:
     """The workload's model as the trainer builds it: its gradient's bytes, what every step
-    allreduces. A bad override raises trainer.config.ConfigError before anything runs."""
+    allreduces. A bad override raises spotring.exits.ConfigError before anything runs."""
     from trainer.config import compose
     from trainer.models import build_model
 

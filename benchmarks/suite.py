@@ -110,7 +110,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, in
         if missing:
             p.error(f"{option} {' '.join(missing)}: not on this host; it has "
                     f"{', '.join(there)} (Horovod's need `make horovod`, NCCL 2 GPUs)")
-    from trainer.config import ConfigError
+    from spotring.exits import ConfigError
 
     if "time_to_accuracy" in args.only:
         try:

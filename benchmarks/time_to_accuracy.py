@@ -64,18 +64,17 @@ def eval_interval(steps: int, evaluations: int) -> int:
 def trainer_steps(workers: int, max_steps: int | None) -> dict:
     """The default config's global batch and steps at ``workers`` workers, from the config
     composed as `python -m trainer` would and the trainer's own schedule (raises
-    trainer.config.ConfigError)."""
+    spotring.exits.ConfigError)."""
+    from spotring.sampler import steps_in_epoch
     from trainer.config import compose, global_batch
-    from trainer.data import steps_in_epoch
-    from trainer.schedule import LRSchedule
+    from trainer.schedule import lr_schedule
 
     cfg = compose([])
     if cfg.dataset.name != "mnist":
         raise ValueError(f"the default dataset is {cfg.dataset.name}; the time-to-accuracy "
                          "benchmark and its reference loop train MNIST")
     batch = global_batch(cfg, workers)
-    steps = LRSchedule.from_config(cfg, batch, steps_in_epoch(MNIST.train_samples, batch)) \
-        .total_steps
+    steps = lr_schedule(cfg, batch, steps_in_epoch(MNIST.train_samples, batch)).total_steps
     for cap in (cfg.train.max_steps, max_steps):
         steps = steps if cap is None else min(steps, cap)
     return {"global_batch": batch, "steps": steps}

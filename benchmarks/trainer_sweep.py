@@ -14,7 +14,8 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from trainer import config, exits, job
+from spotring import exits
+from trainer import config, job
 
 
 @hydra.main(version_base="1.3", config_path=f"pkg://{config.CONF_MODULE}",

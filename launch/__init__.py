@@ -11,9 +11,9 @@ docstring is the runbook) composes the steps, each a module of its own:
                                                        ssh.py, sync.py, hostfile.py,
                                                        job_command.py: what the steps use
 
-sweep/ runs many trials at once on slices of this machine or of a cluster (`spotring
-sweep`). commands.py builds the local launcher commands that the Makefile, tests and
-benchmarks use (and the environment every launcher gets).
+commands.py builds the local launcher commands that the Makefile, tests, benchmarks and
+sweeps use (and the environment every launcher gets). The top-level package sweep/ (many
+trials at once, `spotring sweep`) is a client of this one; nothing here imports it.
 """
 
 # The subcommands and their one line each, for `spotring --help` and `spotring launch

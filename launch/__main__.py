@@ -28,7 +28,7 @@ error or Ctrl-C before it is done. Each deletion is tried even when others fail;
 is still there then is named, with `spotring down run_id=ID` to try again. Exit codes:
 0 done; 1 failed (no capacity, an AWS or ssh error, or something could not be deleted);
 2 bad input (nothing was created); `run` and `launch` pass the trainer's on (69 a rank
-was lost, 75 preempted: trainer/exits.py).
+was lost, 75 preempted: spotring/exits.py).
 """
 
 from __future__ import annotations
@@ -54,8 +54,7 @@ from launch.recover import supervise
 from launch.run import run as run_job
 from launch.rundir import RunDir
 from launch.up import up
-from trainer.config import ConfigError
-from trainer.exits import EXIT_CONFIG, EXIT_FAILED
+from spotring.exits import EXIT_CONFIG, EXIT_FAILED, ConfigError
 
 PRICED_ANEW = ("nodes", "cluster.instance_types", "cluster.zones", "cluster.region")
 log = logging.getLogger("launch")

@@ -19,8 +19,9 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, DictConfig, OmegaConf
 
+from spotring.exits import ConfigError
 from trainer import config as trainer_config
-from trainer.config import ConfigError, compose_checked, one_of
+from trainer.config import compose_checked, one_of
 
 CLUSTERS = ("aws_spot", "local")
 LAUNCHERS = ("horovodrun", "mpirun", "torchrun")

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 from launch.commands import LAUNCHER_ENV
 from launch.provider import Node
-from trainer.exits import DIVERGED, EXIT_DIVERGED, EXIT_PREEMPTED, PREEMPTED
+from spotring.exits import DIVERGED, EXIT_DIVERGED, EXIT_PREEMPTED, PREEMPTED
 
 ENGINES = {"horovodrun": "horovod", "mpirun": "horovod", "torchrun": "ddp"}
 TORCHRUN_PORT = 29400
 HOROVOD_START_TIMEOUT_S = 120
-# The notes rank 0 leaves in its run dir (trainer/exits.py), and the exit code each says.
+# The notes rank 0 leaves in its run dir (spotring/exits.py), and the exit code each says.
 NOTES = {PREEMPTED: EXIT_PREEMPTED, DIVERGED: EXIT_DIVERGED}
 
 

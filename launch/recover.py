@@ -17,6 +17,8 @@ and resume, within two budgets counted apart.
                                       another try would fail the same way
     exit 2 (bad input), 65 (diverged) the job's own verdict: stop
 
+(spotring.exits.classify is the rule: which exit is which, and the budget each spends.)
+
 Each try is recorded in state.json ("tries": when it ran, on which nodes, how it ended,
 the step it reached and resumed from, the trainer's notice and checkpoint times), which
 launch/ledger.py turns into the run's bill; the run's end says how much of each budget
@@ -43,14 +45,16 @@ from launch.run import run as run_job
 from launch.rundir import RunDir
 from launch.ssh import RemoteError
 from launch.up import admit
+from spotring.exits import EXIT_OK, MAX_PREEMPTIONS, MAX_RESTARTS, ConfigError, classify
+from spotring.global_batch import split_global_batch
+from spotring.polling import poll
 from trainer import config as trainer_config
-from trainer.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_OK, EXIT_PREEMPTED
-from trainer.polling import poll
 
 log = logging.getLogger("launch")
 
 PREEMPTION, FAILURE = "preemption", "failure"  # the causes of a restart, each its budget
-_BUDGET_KEYS = {PREEMPTION: "max_preemptions", FAILURE: "max_restarts"}
+_BUDGET_KEYS = {PREEMPTION: MAX_PREEMPTIONS, FAILURE: MAX_RESTARTS}
+_CAUSES = {key: cause for cause, key in _BUDGET_KEYS.items()}
 # Trainer arguments the launcher sets itself on a restart.
 _OWN_ARGS = ("resume=", "train.batch_size=", "train.accumulation=")
 
@@ -104,11 +108,13 @@ def supervise(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
 
 
 def _cause(code: int | None) -> str | None:
-    """What a try's exit makes of a restart: a preemption, a failure, or none (done, or
-    the job's own verdict on its input or its loss)."""
-    if code in (EXIT_OK, EXIT_CONFIG, EXIT_DIVERGED):
-        return None
-    return PREEMPTION if code == EXIT_PREEMPTED else FAILURE
+    """What a try's exit makes of a restart, by the budget spotring.exits.classify gives
+    it: a preemption, a failure (also ssh failing: code None), or none (done, or the
+    job's own verdict on its input or its loss)."""
+    if code is None:
+        return FAILURE
+    budget = classify(code).budget
+    return None if budget is None else _CAUSES[budget]
 
 
 def _why_stop(cause: str | None, code: int | None, spent: dict[str, int],
@@ -198,30 +204,22 @@ def _batch(args: list[str]) -> tuple[int, int]:
     return train.batch_size, train.accumulation
 
 
-def keep_global_batch(batch_size: int, accumulation: int, workers: int,
-                      now: int) -> tuple[int, int]:
-    """(batch size, accumulation) for ``now`` workers that keep the global batch of
-    ``workers`` x ``batch_size`` x ``accumulation``: the fewest accumulation steps whose
-    per-worker batch divides it evenly and fits in memory (no larger than before)."""
-    total = batch_size * workers * accumulation
-    for steps in range(1, total + 1):
-        per_step, rest = divmod(total, now * steps)
-        if rest == 0 and per_step <= batch_size:
-            return per_step, steps
-    raise RuntimeError(f"the global batch {total} cannot be split evenly over {now} workers, "
-                       "so the run cannot go on with the same maths; a global batch with "
-                       "more divisors (a power of two) or a higher cluster.min_nodes avoids "
-                       "this")
-
-
 def _restart_args(args: list[str], batch: tuple[int, int], workers: int,
                   now: int) -> list[str]:
-    """The trainer arguments of a restart: resume=auto, and the global batch kept."""
-    kept = [a for a in args if not a.startswith(_OWN_ARGS)]
-    size, steps = keep_global_batch(*batch, workers, now)
+    """The trainer arguments of a restart on ``now`` workers: resume=auto, and the global
+    batch of ``workers`` x ``batch`` kept, split by spotring.global_batch.split_global_batch
+    into the fewest accumulation steps whose micro-batch is no larger than before (so that
+    it fits in memory). RuntimeError where ``now`` workers cannot share it equally."""
+    size, steps = batch
+    try:
+        size, steps = split_global_batch(size * workers * steps, now, batch_size=size)
+    except ConfigError as e:  # not bad input (exit 2: nothing was started): the run ran
+        raise RuntimeError(f"the run cannot continue on {now} workers with the same maths: {e} "
+                           "A higher cluster.min_nodes keeps it on more workers.") from e
     if now != workers:
         log.info("recover: %d workers instead of %d: train.batch_size=%d "
                  "train.accumulation=%d keep the global batch at %d, so the run goes on "
                  "with the same samples in the same steps", now, workers, size, steps,
                  size * steps * now)
+    kept = [a for a in args if not a.startswith(_OWN_ARGS)]
     return [*kept, "resume=auto", f"train.batch_size={size}", f"train.accumulation={steps}"]

@@ -26,7 +26,7 @@ from launch import job_command, sync
 from launch.provider import Node, Provider
 from launch.rundir import RunDir
 from launch.ssh import RemoteError, Ssh
-from trainer.config import ConfigError
+from spotring.exits import ConfigError
 
 log = logging.getLogger("launch")
 

@@ -30,8 +30,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from launch.provider import Node
-from trainer.config import ConfigError
-from trainer.stores import write_atomic
+from spotring.exits import ConfigError
+from spotring.stores import write_atomic
 
 
 def write_json(path: Path, value) -> None:

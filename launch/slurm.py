@@ -17,13 +17,14 @@ asks SLURM for:
                             --ntasks-per-node, which would start it on MIN nodes
 
 and runs `srun python -m trainer resume=auto ...`: one task per GPU (or tasks_per_node
-on CPUs), the process group formed from SLURM's variables (trainer/runtime.py). SIGTERM
+on CPUs), the process group formed from SLURM's variables (spotring/runtime.py). SIGTERM
 or SIGUSR1, from the time limit, `scancel --signal=TERM JOBID` or a preempting partition,
 is a spot notice to the trainer: a checkpoint at once, exit 75, and the script requeues the
-job, which resumes from the checkpoint (also after a lost rank; up to max_restarts times); on
-fewer nodes it raises train.accumulation to keep the global batch where the node counts
-divide. A signal for the batch shell (`--signal=B:...`, `scancel --full`) would end srun
-and the job with it: the signal goes to the tasks, which is SLURM's default.
+job, which resumes from the checkpoint (also after a lost rank; up to max_restarts times).
+On fewer nodes the trainer keeps the global batch (train.global_batch) with more
+accumulation; a node range whose counts cannot share it is refused at submission. A
+signal for the batch shell (`--signal=B:...`, `scancel --full`) would end srun and the job
+with it: the signal goes to the tasks, which is SLURM's default.
 
 srun returns the highest exit status of its tasks (128+N for a task ended by signal N).
 It runs with --kill-on-bad-exit=0: a rank that exits 75 first must not have srun SIGTERM
@@ -33,8 +34,9 @@ So a rank SIGKILLed (the OOM killer, kill -9) comes back as 137, a rank that saw
 go as 69: both are requeued, as 75 is, and so are 143 and 138: SIGTERM or SIGUSR1 before
 the trainer catches them (it does from its first step on; a signal during its start-up
 ends it at once, with nothing new to save, and without the requeue a preemption then would
-end the job for good). Not 2 (bad input), 1 (a crash) or 65 (diverged). A crash of one
-rank can still come back as 69 from the others: it is requeued, max_restarts times at most.
+end the job for good). Not 2 (bad input), 1 (a crash) or 65 (diverged): only the exits
+spotring.exits.classify calls transient. A crash of one rank can still come back as 69
+from the others: it is requeued, max_restarts times at most.
 
 Bad input exits 2 before anything is submitted: no sbatch here, more tasks per node than
 GPUs, an option or partition SLURM refuses (`sbatch --test-only` says which).
@@ -46,7 +48,6 @@ import argparse
 import logging
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -58,16 +59,17 @@ from omegaconf import DictConfig
 
 from launch.commands import LAUNCHER_ENV
 from launch.console import split_trainer_args
+from spotring.exits import CODES, EXIT_CONFIG, EXIT_FAILED, ConfigError
+from spotring.global_batch import split_global_batch
 from trainer import config as trainer_config
-from trainer.config import ConfigError, compose_checked, one_of
-from trainer.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_PEER_LOST, EXIT_PREEMPTED
+from trainer.config import compose_checked, one_of
 
 # The warnings the trainer takes as a spot notice; --signal sends one to every task.
 SIGNALS = ("TERM", "USR1")
-# srun's status for a task ended by signal N is 128 + N: SIGKILL is a rank lost, as 69 is
-# from a rank that saw its peer go; SIGTERM or SIGUSR1 ended a trainer still starting up.
-REQUEUE = (EXIT_PREEMPTED, EXIT_PEER_LOST,
-           *(128 + s for s in (signal.SIGKILL, signal.SIGTERM, signal.SIGUSR1)))
+# The exits the script requeues: the transient ones (spotring.exits.Outcome), srun's
+# 128 + N for a task ended by signal N among them. Not a plain failure: the script cannot
+# tell a bug that would fail the same way again.
+REQUEUE = {code: outcome for code, outcome in CODES.items() if outcome.transient}
 
 log = logging.getLogger("launch")
 
@@ -102,9 +104,8 @@ def compose(overrides: list[str]) -> DictConfig:
 
 def script(cfg: DictConfig, trainer_args: list[str], python: str, workdir: Path) -> str:
     """The batch script, in full."""
-    tasks = cfg.tasks_per_node or cfg.gpus_per_node or 1
+    tasks = _tasks(cfg)
     run_dir = Path(cfg.run_dir).resolve()
-    accumulation = trainer_config.compose(trainer_args).train.accumulation
     if cfg.min_nodes:
         # A node range with --ntasks-per-node starts on min_nodes nodes (SLURM counts the
         # tasks at submission: min_nodes x tasks). Asked per node instead, it gets as many
@@ -131,21 +132,16 @@ def script(cfg: DictConfig, trainer_args: list[str], python: str, workdir: Path)
         "",
         f"cd {shlex.quote(str(workdir))}",
         *(f"export {k}={v}" for k, v in LAUNCHER_ENV.items()),
-        "# On fewer nodes than asked for (after a requeue): the same global batch, through",
-        "# more micro-steps per optimizer step, where the node counts divide.",
-        f"accumulation={accumulation}",
-        f"if (( {cfg.nodes} * {accumulation} % SLURM_JOB_NUM_NODES == 0 )); then",
-        f"    accumulation=$(( {cfg.nodes} * {accumulation} / SLURM_JOB_NUM_NODES ))",
-        "fi",
         'echo "$(date "+%F %T") spotring sbatch: job $SLURM_JOB_ID (restart '
-        '${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NUM_NODES nodes: $SLURM_JOB_NODELIST, '
-        'train.accumulation=$accumulation"',
+        '${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NUM_NODES nodes: $SLURM_JOB_NODELIST"',
+        # train.global_batch: on fewer nodes than asked for (after a requeue) the trainer
+        # takes the same global batch in more micro-steps per optimizer step.
         f"srun --ntasks-per-node={tasks} --kill-on-bad-exit=0 {shlex.quote(python)} -m trainer "
-        f"{args} train.accumulation=$accumulation",
+        f"{args} train.global_batch={global_batch(cfg, trainer_args)}",
         "code=$?",
         'echo "$(date "+%F %T") spotring sbatch: srun exit $code"',
-        "# 75: preempted, after a checkpoint; 69 or 137 (a task SIGKILLed): a rank lost;",
-        "# 143 or 138 (SIGTERM, SIGUSR1): a warning during start-up, nothing new to save.",
+        *(f"# {' or '.join(str(c) for c, o in REQUEUE.items() if o is outcome)}: {outcome.what}"
+          for outcome in dict.fromkeys(REQUEUE.values())),
         f"if (( ({' || '.join(f'code == {c}' for c in REQUEUE)}) && "
         f"${{SLURM_RESTART_COUNT:-0}} < {cfg.max_restarts} )); then",
         '    echo "$(date "+%F %T") spotring sbatch: requeueing job $SLURM_JOB_ID to resume '
@@ -180,6 +176,21 @@ def check(cfg: DictConfig, trainer_args: list[str]) -> None:
     if problems:
         raise ConfigError("bad sbatch settings:\n  - " + "\n  - ".join(problems))
     trainer_config.validate(trainer_config.compose(trainer_args))
+    tasks, batch = _tasks(cfg), global_batch(cfg, trainer_args)
+    for nodes in range(cfg.min_nodes or cfg.nodes, cfg.nodes + 1):
+        split_global_batch(batch, nodes * tasks)  # every node count the job may come back on
+
+
+def _tasks(cfg: DictConfig) -> int:
+    """Tasks (ranks) per node."""
+    return cfg.tasks_per_node or cfg.gpus_per_node or 1
+
+
+def global_batch(cfg: DictConfig, trainer_args: list[str]) -> int:
+    """The trainer's global batch on all the nodes asked for: what every run of the job
+    keeps, on however many nodes it gets."""
+    train = trainer_config.compose(trainer_args).train
+    return train.global_batch or train.batch_size * _tasks(cfg) * cfg.nodes * train.accumulation
 
 
 def submit(text: str, run_dir: Path, dry_run: bool) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from launch.provider import Node
-from trainer.polling import poll
+from spotring.polling import poll
 
 T = TypeVar("T")
 

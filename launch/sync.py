@@ -22,7 +22,7 @@ from pathlib import Path
 from launch.provider import Node
 from launch.rundir import RunDir
 from launch.ssh import RemoteError, Ssh, on_each
-from trainer.config import ConfigError
+from spotring.exits import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 

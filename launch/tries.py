@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from launch.rundir import RunDir
-from trainer.exits import PREEMPTED
+from spotring.exits import PREEMPTED
 
 _RESUMED = re.compile(r"resumed at step (\d+)")  # the trainer's line (trainer/loop.py)
 

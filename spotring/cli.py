@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     **{step: ("launch.__main__", "main", summary) for step, summary in STEPS.items()},
     "sbatch": ("launch.slurm", "main",
                "the trainer as a SLURM batch job: requeued after preemption, resumed"),
-    "sweep": ("launch.sweep.__main__", "main",
+    "sweep": ("sweep.__main__", "main",
               "many trials at once, searched by Optuna: hyperparameters, model families"),
     "bench": ("benchmarks.suite", "main",
               "measure throughput, scaling and allreduce bandwidth into a results folder"),

@@ -2,7 +2,7 @@
 
 Nothing real can serve 169.254.169.254 off EC2, so tests run this server and point the
 trainer at it with AWS_EC2_METADATA_SERVICE_ENDPOINT, as boto does. It answers what
-trainer/preemption.py asks, the way EC2 documents it: a token from PUT /latest/api/token,
+spotring/preemption.py asks, the way EC2 documents it: a token from PUT /latest/api/token,
 required on every GET (401 without it); 404 for spot/instance-action and for the
 rebalance recommendation until the test announces them.
 """

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from launch.local import netns
 from launch.local.provider import FIRST_HOST
+from spotring.polling import poll
 from tests.launcher import netns_unavailable, processes
-from trainer.polling import poll
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 COMMANDS = ("srun", "sbatch", "scancel", "sinfo", "scontrol")

@@ -236,6 +236,23 @@ def test_bad_bench_input_exits_2_before_anything_runs(tmp_path, args, named):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("args, named", [
+    (["--only", "api,bogus"], "'bogus'"),
+    (["--only", "trainer-before-after"], "--before"),
+    (["--only", "trainer-before-after", "--before", "/no/such/checkout"], "/no/such/checkout"),
+    (["--before", str(REPO)], "trainer-before-after"),  # the section not asked for
+    (["--repeats", "0"], "0"),
+    (["--variant", "files"], "--data"),
+])
+def test_bad_api_cost_input_exits_2_naming_it(tmp_path, capsys, args, named):
+    from benchmarks import api_cost
+
+    with pytest.raises(SystemExit) as exited:
+        api_cost.main([*args, "--name", str(tmp_path / "run")])
+    assert exited.value.code == 2 and named in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_every_command_has_help_under_its_spotring_name():
     for module, prog in (("suite", "spotring bench"), ("report", "spotring report"),
                          ("predict", "spotring predict")):

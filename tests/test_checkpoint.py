@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
-from tests.conftest import assert_close
-from trainer.checkpoint import Checkpoints, CorruptCheckpoint, check_compatible, find_resume
-from trainer.config import ConfigError
+from spotring.checkpoint import Checkpoints, CorruptCheckpoint, check_compatible, find_resume
+from spotring.exits import ConfigError
+from tests.conftest import REPO, assert_close
 
 MODEL = {"name": "convnet", "l1": 0.0, "channels": [32, 64], "kernels": [5, 5], "hidden": 128}
 
@@ -29,6 +34,36 @@ def test_save_keeps_the_last_k_and_nothing_half_written(tmp_path):
     manifest = json.loads((tmp_path / "ckpt-000000030.json").read_text())
     assert manifest["bytes"] == (tmp_path / "ckpt-000000030.pt").stat().st_size
     assert find_resume("auto", checkpoints).load()["position"] == 30
+
+
+# A writer SIGKILLed while it writes sys.argv[1]: the bytes are written, not yet renamed.
+KILLED_MID_WRITE = """
+import os, signal, sys
+from pathlib import Path
+from spotring.stores import write_atomic
+os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)
+write_atomic(Path(sys.argv[1]), b"half a checkpoint")
+"""
+
+
+def test_the_file_of_a_writer_killed_mid_write_goes_with_the_next_save(tmp_path):
+    checkpoints = Checkpoints(tmp_path, keep=2)
+    save(checkpoints, 10)
+    killed = subprocess.run([sys.executable, "-c", KILLED_MID_WRITE,
+                             str(tmp_path / "ckpt-000000020.pt")], cwd=REPO)
+    assert killed.returncode == -signal.SIGKILL
+    (orphan,) = (p for p in tmp_path.iterdir() if p.name.startswith(".ckpt-000000020.pt."))
+    assert orphan.read_bytes() == b"half a checkpoint"
+    # A write still under way (in this test: modified later than the next save).
+    later = time.time_ns() + 60 * 10**9
+    under_way = tmp_path / f".ckpt-000000030.pt.{os.getpid()}.0123abcd.tmp"
+    under_way.write_bytes(b"")
+    os.utime(under_way, ns=(later, later))
+    save(checkpoints, 20)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        under_way.name, "ckpt-000000010.json", "ckpt-000000010.pt", "ckpt-000000020.json",
+        "ckpt-000000020.pt"]
+    assert find_resume("auto", checkpoints).manifest["step"] == 20
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "no_manifest", "bad_manifest"])
@@ -106,6 +141,9 @@ def test_resume_mid_epoch_ends_with_the_parameters_of_an_uninterrupted_run(train
         "ckpt-000000030.pt", "ckpt-000000031.pt", "ckpt-000000040.pt"]  # every 15, epoch, end
     second = train("parts", *STEPS, "train.max_steps=70")
     assert "resumed at step 40 (epoch 2, sample 576 of its order)" in second.output
+    # metrics.jsonl numbers that epoch as the log does (steps 32 to 62 are epoch 2).
+    records = map(json.loads, (second.dir / "metrics.jsonl").read_text().splitlines())
+    assert {r["epoch"] for r in records if r["kind"] == "train" and 40 < r["step"] <= 62} == {2}
     assert second.summary["steps"] == 70 and second.summary["steps_this_run"] == 30
     assert second.summary["resumed_from"].endswith("ckpt-000000040.pt")
     assert_close(second.params(), whole.params(), rtol=0)  # bit for bit

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from spotring.exits import ConfigError
 from tests.conftest import REPO, compose_config, run_trainer
-from trainer.config import ConfigError, validate
+from trainer.config import validate
 
 
 def problems(*overrides: str) -> str:

@@ -14,8 +14,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from spotring.sampler import epoch_order, shard, steps_in_epoch
 from tests.conftest import REPO
-from trainer.data import Batches, epoch_order, shard, steps_in_epoch
+from trainer.data import Batches
 from trainer.datasets import DataError, Dataset, Split, load
 
 N = 1000

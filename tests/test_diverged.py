@@ -10,7 +10,7 @@ import re
 import pytest
 
 from launch.job_command import JobCommand
-from trainer.exits import DIVERGED, EXIT_DIVERGED
+from spotring.exits import DIVERGED, EXIT_DIVERGED
 
 # optim.lr=1e4 (x2 at batch 64): the train loss is ~5e14 after step 2 and infinite at
 # step 3 on MNIST with the default config.
@@ -45,7 +45,7 @@ def test_every_rank_stops_at_the_same_step_and_the_launcher_reads_65(train):
     # One note, whole (no temporary file left), from rank 0; rank 1 says the same step.
     assert [p.name for p in run.dir.glob("*diverged*")] == [DIVERGED]
     assert _note(run)["step"] == 5
-    assert re.search(r"\[rank 1\] ERROR trainer: the train loss is \S+ at step 5: "
+    assert re.search(r"\[rank 1\] ERROR spotring: the train loss is \S+ at step 5: "
                      "training diverged", run.output)
     assert not (run.dir / "summary.json").exists()
     job = JobCommand("torchrun", {})

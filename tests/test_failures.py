@@ -3,7 +3,8 @@ timeout, and the survivors say which rank went missing.
 
 The ranks are started by hand with torchrun's environment variables but without its
 agent, which would otherwise kill the survivors itself: this tests the trainer's own
-timeouts and messages, as under mpirun or on hosts without an agent.
+timeouts and messages, as under mpirun or on hosts without an agent. One test keeps the
+agent, for the SIGTERM it sends the survivors.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.commands import BIN, local_environment
+from launch.commands import BIN, local_command, local_environment
+from spotring.exits import PREEMPTED
 from tests.conftest import QUICK, REPO
 
 TIMEOUT_S = 6  # engine.timeout_s in these tests
@@ -116,16 +118,50 @@ def test_losing_rank_0_ends_the_others_too(two_ranks):
     assert "rank 0, which serves the rendezvous store, is unreachable" in survivor.output
 
 
-def rank_pid(marker: str, rank: int) -> int | None:
-    """The pid of the process of MPI rank ``rank`` whose command line has ``marker``."""
+def rank_pid(marker: str, rank: int, variable: str = "OMPI_COMM_WORLD_RANK") -> int | None:
+    """The pid of the process of rank ``rank`` (its launcher's ``variable``: MPI's, or
+    torchrun's RANK) whose command line has ``marker``."""
     for proc in Path("/proc").iterdir():
         try:
             if (marker in (proc / "cmdline").read_text()
-                    and f"OMPI_COMM_WORLD_RANK={rank}\0" in (proc / "environ").read_text()):
+                    and f"\0{variable}={rank}\0" in "\0" + (proc / "environ").read_text()):
                 return int(proc.name)
         except (OSError, ValueError):  # not a process, or gone meanwhile
             continue
     return None
+
+
+@pytest.mark.slow
+def test_a_worker_killed_under_torchrun_is_named_by_the_survivor(tmp_path):
+    # torchrun's agent answers a dead worker by sending SIGTERM to the others, while they
+    # hold the roll call that names it: that SIGTERM must not end them silently (-15),
+    # nor be taken for a spot notice (exit 75, preempted.json).
+    run_dir = tmp_path / "run"
+    metrics = run_dir / "metrics.jsonl"
+    proc = subprocess.Popen(
+        local_command("torchrun", 2, [f"hydra.run.dir={run_dir}", *QUICK, *LONG_RUN]),
+        cwd=REPO, env=local_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.stat().st_size) or (  # a few steps done
+                victim := rank_pid(str(run_dir), 1, "RANK")) is None:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"no training rank 1:\n{proc.communicate()[0]}")
+            time.sleep(0.2)
+        os.kill(victim, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=TIMEOUT_S + 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert f"lost rank 1 ({socket.gethostname()} pid {victim})" in output, output
+    assert "lost rank 1" in (run_dir / "train.log").read_text()
+    # torchrun exits 1 and lists each worker's exit code, the SIGKILL as the root cause;
+    # the survivor's says a rank was lost, and no preempted.json tells the launcher
+    # (launch/job_command.py) of a spot notice.
+    assert proc.returncode == 1 and "exitcode  : 69 (pid: " in output, output
+    assert not (run_dir / PREEMPTED).exists()
 
 
 @pytest.mark.slow
@@ -172,6 +208,6 @@ def test_hung_worker_under_mpi_allreduce_is_caught_by_the_timeout(tmp_path):
     (ValueError("Timed out"), False),
 ])
 def test_transport_errors_count_as_a_lost_rank_and_bugs_do_not(error, lost):
-    from trainer.job import _is_collective_failure
+    from spotring.engines import is_collective_failure
 
-    assert _is_collective_failure(error) is lost
+    assert is_collective_failure(error) is lost

@@ -10,9 +10,9 @@ import pytest
 
 from launch import config
 from launch.__main__ import main
+from spotring.exits import ConfigError
 from tests.conftest import REPO
 from tests.launcher import launcher
-from trainer.config import ConfigError
 
 
 def problems(*overrides: str) -> str:

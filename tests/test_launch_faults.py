@@ -23,9 +23,9 @@ from typing import NamedTuple
 import pytest
 
 from launch.__main__ import main
+from spotring.exits import EXIT_FAILED
 from tests.aws import MOTO_CLUSTER, aws_env, stand_in_ssh, start_moto, tagged
 from tests.faults import FAULTS, FaultProxy, blips, in_turn, outage
-from trainer.exits import EXIT_FAILED
 
 # Standard, not the launcher's adaptive mode: its client-side rate limit would slow the
 # calls after a throttled one down, in tests that throttle on purpose.

@@ -10,7 +10,7 @@ from horovod.runner.common.util import hosts as horovod_hosts
 from launch import hostfile, job_command
 from launch.commands import BIN, local_environment
 from launch.provider import Node
-from trainer.exits import PREEMPTED
+from spotring.exits import PREEMPTED
 
 # Two nodes of 4 GPUs: public addresses for ssh from here, private ones between them.
 NODES = [Node(f"i-{i}", f"203.0.113.{i}", f"10.0.1.{10 + i}", 4, "g5.12xlarge", "us-east-1a",

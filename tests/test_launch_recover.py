@@ -15,10 +15,10 @@ from omegaconf import OmegaConf
 
 from launch.cost import after_run
 from launch.provider import NoCapacity, Node, Provider
-from launch.recover import _replace, _restart_args, keep_global_batch, supervise
+from launch.recover import _replace, _restart_args, supervise
 from launch.rundir import RunDir
 from launch.ssh import RemoteError
-from trainer.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PEER_LOST, EXIT_PREEMPTED, PREEMPTED
+from spotring.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PEER_LOST, EXIT_PREEMPTED, PREEMPTED
 
 
 @pytest.mark.parametrize("before, workers, now, after", [
@@ -29,20 +29,18 @@ from trainer.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PEER_LOST, EXIT_PREEM
     ((32, 2), 2, 4, (32, 1)),  # more workers again: less accumulation
     ((48, 1), 4, 3, (32, 2)),  # 192 = 3 x 64 does not fit; 3 x 32 x 2 does
 ])
-def test_the_global_batch_is_kept_with_the_fewest_accumulation_steps(before, workers, now,
-                                                                      after):
-    if after is None:
-        with pytest.raises(RuntimeError, match="global batch 256 cannot be split evenly over 5"):
-            keep_global_batch(*before, workers, now)
-        return
-    assert keep_global_batch(*before, workers, now) == after
-
-
-def test_restart_arguments_resume_and_keep_the_global_batch():
+def test_a_restart_resumes_and_keeps_the_global_batch_with_the_fewest_accumulation_steps(
+        before, workers, now, after):
     args = ["train.max_steps=100", "resume=never", "train.batch_size=32", "model=lenet"]
-    assert _restart_args(args, (32, 1), 2, 1) == [
-        "train.max_steps=100", "model=lenet", "resume=auto", "train.batch_size=32",
-        "train.accumulation=2"]
+    if after is None:
+        with pytest.raises(RuntimeError, match="cannot continue on 5 workers with the same maths: "
+                           "a global batch of 256 samples cannot be split over 5 workers.*"
+                           "the nearest to 5 are 4 and 8.*higher cluster.min_nodes"):
+            _restart_args(args, before, workers, now)
+        return
+    assert _restart_args(args, before, workers, now) == [
+        "train.max_steps=100", "model=lenet", "resume=auto", f"train.batch_size={after[0]}",
+        f"train.accumulation={after[1]}"]
 
 
 def node(i: int) -> Node:

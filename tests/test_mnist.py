@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.runtime import pick_precision
+from spotring.runtime import pick_precision
 
 
 @pytest.mark.slow

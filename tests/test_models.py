@@ -7,8 +7,9 @@ import itertools
 import pytest
 import torch
 
+from spotring.exits import ConfigError
 from tests.conftest import compose_config, run_trainer
-from trainer.config import ConfigError, validate
+from trainer.config import validate
 from trainer.models import build_model, l1_penalty
 
 
@@ -110,5 +111,6 @@ def test_resnet20_with_augmentation_trains_on_cifar_sized_images(tmp_path):
     run = run_trainer(tmp_path / "run", "dataset=synthetic", "dataset.shape=[3,32,32]",
                       "dataset.augment=true", "model=resnet20", "train.batch_size=16",
                       "train.max_steps=3", "model.l1=1e-5")
-    assert run.summary["model"] == "cifar_resnet" and run.summary["steps"] == 3
+    assert run.summary["model"] == "resnet20" and run.summary["model_builder"] == "cifar_resnet"
+    assert run.summary["steps"] == 3
     assert run.summary["global_batch"] == 16

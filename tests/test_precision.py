@@ -32,13 +32,17 @@ import pytest
 import torch
 from torch import nn
 
+from spotring import engines, runtime
+from spotring.checkpoint import Checkpoints, find_resume
+from spotring.exits import ConfigError
+from spotring.job import Job
 from tests.conftest import PARITY, REPO, Run, compose_config, run_trainer
 from tests.test_cli import spotring
 from tests.test_horovod import distance_ratios
-from trainer import datasets, engines, runtime
-from trainer.checkpoint import Checkpoints, find_resume
-from trainer.config import ConfigError, validate
+from trainer import datasets
+from trainer.config import validate
 from trainer.loop import Trainer
+from trainer.models import build_model
 
 # PARITY: real MNIST, 20 steps, seed 11, a checkpoint after every step, float64; NCHW,
 # so that each test turns on only the options it is about.
@@ -220,18 +224,26 @@ def test_fp16_scaler_state_is_checkpointed_and_restored(tmp_path):
                          "train.batch_size=32", "train.max_steps=3", "train.precision=fp16",
                          "telemetry.progress=false", "preemption.imds=false",
                          f"checkpoint.dir={tmp_path / 'checkpoints'}")
-    launch = runtime.detect({})
-    engine = engines.create(cfg.engine, launch, torch.device("cpu"))
     dataset = datasets.load(cfg.dataset, cfg.data, cfg.train.seed)
     checkpoints = Checkpoints(cfg.checkpoint.dir, cfg.checkpoint.keep)
-    trainer = Trainer(cfg, engine, dataset, tmp_path, checkpoints, None)
-    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # overflows at once
+
+    def job() -> Job:
+        return Job(runtime.detect({}), cfg.engine, torch.device("cpu"), tmp_path, checkpoints,
+                   cfg.preemption, cfg.train.seed)
+
+    first = job()
+    trainer = Trainer(cfg, first, dataset, build_model(cfg.model, dataset.shape, 10))
+    first.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # overflows at once
     assert trainer.fit()["precision"] == "fp16"
+    first.close()
     saved = find_resume("auto", checkpoints).load()
     # Three overflowing steps, three halvings (none moved the weights).
-    assert saved["scaler"]["scale"] == 2.0**124
-    resumed = Trainer(cfg, engine, dataset, tmp_path, checkpoints, saved)
-    assert resumed.scaler.state_dict() == saved["scaler"]
+    assert saved["spotring"]["scaler"]["scale"] == 2.0**124
+    second = job()
+    Trainer(cfg, second, dataset, build_model(cfg.model, dataset.shape, 10))
+    assert second.restore() == 3
+    assert second.scaler.state_dict() == saved["spotring"]["scaler"]
+    second.close()
 
 
 # ------------------------------------------------------------- refused before a run

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from trainer.runtime import Launch, detect, pick_precision
+from spotring.runtime import Launch, detect, pick_precision
 
 CASES = {
     "torchrun": ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
@@ -47,7 +47,7 @@ def test_detects_the_launcher_from_its_variables(name):
 # how many bytes of heap the free handed back to the kernel (mallinfo2, glibc >= 2.33).
 ONE_ACTIVATION = """
 import ctypes, sys, torch
-from trainer import runtime
+from spotring import runtime
 if sys.argv[1] == "keep":
     assert runtime.keep_freed_memory()
 class Mallinfo2(ctypes.Structure):

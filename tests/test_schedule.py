@@ -6,12 +6,13 @@ import math
 
 import pytest
 
+from spotring.lr import LRSchedule
 from tests.conftest import compose_config
-from trainer.schedule import LRSchedule
+from trainer.schedule import lr_schedule
 
 
 def schedule(*overrides: str, global_batch: int, steps_per_epoch: int) -> LRSchedule:
-    return LRSchedule.from_config(compose_config(*overrides), global_batch, steps_per_epoch)
+    return lr_schedule(compose_config(*overrides), global_batch, steps_per_epoch)
 
 
 def test_goyal_imagenet_schedule():

@@ -1,6 +1,6 @@
 """SLURM for real (issue 26): a controller, munge and a slurmd in each of 2 network
-namespaces (tests/slurm.py), the trainer started with srun across them, and the jobs of
-`spotring sbatch` preempted, requeued and resumed."""
+namespaces (tests/slurm.py), the trainer and a user's script (examples/train.py) started
+with srun across them, and the jobs of `spotring sbatch` preempted, requeued and resumed."""
 
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ import pytest
 
 from launch import slurm as sbatch
 from launch.commands import local_environment
+from spotring.exits import EXIT_CONFIG
+from spotring.polling import poll
 from tests import slurm
+from tests import test_examples as examples
 from tests.conftest import PARITY, QUICK, REPO, Run, assert_close
 from tests.test_sweep import load, run_sweep, table_row
-from trainer.exits import EXIT_CONFIG
-from trainer.polling import poll
 
 T = TypeVar("T")
 
@@ -63,6 +64,20 @@ def test_srun_across_two_nodes_takes_the_steps_of_torchrun(cluster, tmp_path, dd
     assert run.summary["world_size"] == 2 and run.summary["global_batch"] == 64
     assert run.summary["steps"] == ddp_2x32.summary["steps"] == 20
     assert_close(run.params(), ddp_2x32.params(), rtol=1e-10)
+
+
+@pytest.mark.slow
+def test_a_users_script_under_srun_across_two_nodes_takes_one_workers_steps(
+        cluster, tmp_path, monkeypatch):
+    # examples/train.py as its users start it, on images in a folder every node sees.
+    images = tmp_path / "images"
+    examples.write_images(images)
+    alone = examples.run("single", 1, images, tmp_path / "alone")
+    monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
+    ran = examples.run("srun", 2, images, tmp_path / "srun")
+    summary = json.loads((tmp_path / "srun" / "summary.json").read_text())
+    assert summary["launcher"] == "slurm" and summary["world_size"] == 2, summary
+    assert_close(examples.weights(ran), examples.weights(alone), rtol=1e-10)
 
 
 # The parity run of ddp_2x32, as a SLURM job. An evaluation after every step (it changes
@@ -205,7 +220,7 @@ def test_a_job_requeued_onto_fewer_nodes_keeps_the_global_batch(cluster, submit,
     with cluster.drained("node-1"):
         cluster.run("scancel", "--signal=TERM", str(job.id))
         run = job.finish()
-    assert "(restart 1) on 1 nodes: node-0, train.accumulation=2" in run.output, run.output
+    assert "(restart 1) on 1 nodes: node-0" in run.output, run.output
     assert "resumed at step" in run.output, run.output
     assert run.summary["world_size"] == 1 and run.summary["accumulation"] == 2
     assert run.summary["global_batch"] == ddp_2x32.summary["global_batch"] == 64

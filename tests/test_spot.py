@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from launch.commands import local_command, local_environment
+from spotring.checkpoint import CheckpointNotSaved, Checkpoints, find_resume
+from spotring.preemption import NOTICE_SECONDS
 from tests.conftest import QUICK, REPO, Run, assert_close, run_trainer
 from tests.imds import MetadataStub
-from trainer.checkpoint import CheckpointNotSaved, Checkpoints, find_resume
-from trainer.preemption import NOTICE_SECONDS
 
 # 4800 synthetic samples, 2 workers x 32: 75 steps per epoch, 2 epochs; long enough
 # for a notice to arrive mid-run, short enough for the suite.
@@ -220,7 +220,7 @@ class OneRank:
 
 def next_decision(watcher, timeout=10.0):
     """The first decision other than "go on", polled as the loop does at each step."""
-    from trainer.preemption import Decision
+    from spotring.preemption import Decision
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -232,11 +232,11 @@ def next_decision(watcher, timeout=10.0):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["TERM", "USR1"])
-def test_a_signal_stops_at_a_step_boundary_and_its_handler_is_restored(signum):
+def test_a_signal_stops_at_a_step_boundary_and_its_handler_stays_until_restored(signum):
     # SLURM's warning before the time limit is SIGTERM or, as some users prefer, SIGUSR1.
     from omegaconf import OmegaConf
 
-    from trainer.preemption import Decision, Preemption
+    from spotring.preemption import Decision, Preemption
 
     before = signal.getsignal(signum)
     cfg = OmegaConf.create({"imds": False, "poll_seconds": 1, "check_every_steps": 1})
@@ -244,8 +244,14 @@ def test_a_signal_stops_at_a_step_boundary_and_its_handler_is_restored(signum):
     try:
         signal.raise_signal(signum)  # the process lives on: the handler only votes
         assert next_decision(watcher) == Decision(signal.Signals(signum).name, False)
+        # Done watching, a job may still be naming a lost rank (torchrun's SIGTERM lands
+        # there): a signal must not end it before restore_signals.
+        watcher.close()
+        assert signal.getsignal(signum) == watcher._on_signal
+        signal.raise_signal(signum)
     finally:
         watcher.close()
+        watcher.restore_signals()
     assert signal.getsignal(signum) == before
 
 
@@ -253,7 +259,7 @@ def test_the_watcher_survives_a_missed_first_probe_and_sees_a_rebalance_then_a_n
         monkeypatch):
     from omegaconf import OmegaConf
 
-    from trainer.preemption import Decision, Preemption
+    from spotring.preemption import Decision, Preemption
 
     imds = MetadataStub(unavailable=1)
     monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", imds.url)
@@ -269,6 +275,7 @@ def test_the_watcher_survives_a_missed_first_probe_and_sees_a_rebalance_then_a_n
         assert announced <= watcher.noticed_at <= time.time()  # when the watcher saw it
     finally:
         watcher.close()
+        watcher.restore_signals()
         imds.close()
     assert imds.requests[0] == ("PUT", "/latest/api/token", False)  # the one refused
 
@@ -278,7 +285,7 @@ def test_close_waits_for_the_watcher(monkeypatch):
     # pending votes there, and freeing their tensor aborted runs that had succeeded.
     from omegaconf import OmegaConf
 
-    from trainer.preemption import Preemption
+    from spotring.preemption import Preemption
 
     imds = MetadataStub()
     monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", imds.url)
@@ -292,6 +299,7 @@ def test_close_waits_for_the_watcher(monkeypatch):
         watcher.close()
         assert "spot-notice-watcher" not in [t.name for t in threading.enumerate()]
     finally:
+        watcher.restore_signals()
         imds.close()
 
 

@@ -24,10 +24,10 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from launch.commands import local_environment
-from launch.sweep.__main__ import main as sweep_main
-from launch.sweep.report import pareto_front
+from spotring.exits import EXIT_CONFIG
+from sweep.__main__ import main as sweep_main
+from sweep.report import pareto_front
 from tests.conftest import REPO
-from trainer.exits import EXIT_CONFIG
 
 # A trial: a few dozen steps of the default MNIST run, evaluated on 500 test images.
 SHORT = ["train.eval_samples=500", "telemetry.progress=false"]

@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from launch.sweep import report
-from launch.sweep.report import TrialRow, pareto_front
+from sweep import report
+from sweep.report import TrialRow, pareto_front
 from tests.test_bench_report import PNG_SIGNATURE, sections
 
 # ------------------------------------------------------------------------- Pareto front

@@ -8,10 +8,10 @@ import json
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from spotring.telemetry import Progress, Telemetry
 from tests.conftest import compose_config
 from trainer.models import build_model
-from trainer.schedule import LRSchedule
-from trainer.telemetry import Progress
+from trainer.schedule import lr_schedule
 
 # 640 synthetic samples, 2 workers x 32: 10 steps per epoch, 2 epochs.
 SMALL = ["dataset=synthetic", "dataset.shape=[1,28,28]", "dataset.train_size=640",
@@ -34,8 +34,7 @@ def test_tensorboard_and_metrics_hold_every_scalar_written_by_rank_0_only(train)
     # The LR of every one of the 20 steps, as the schedule's formula gives it.
     lr = tb.Scalars("train/lr")
     assert [e.step for e in lr] == list(range(1, 21))
-    schedule = LRSchedule.from_config(compose_config(*SMALL), global_batch=64,
-                                      steps_per_epoch=10)
+    schedule = lr_schedule(compose_config(*SMALL), global_batch=64, steps_per_epoch=10)
     for event in lr:
         assert event.value == pytest.approx(schedule(event.step - 1), rel=1e-6)
     assert [e.step for e in tb.Scalars("train/loss")] == [5, 10, 15, 20]
@@ -67,6 +66,9 @@ def test_summary_has_what_users_and_benchmarks_read(train):
     assert summary["steps"] == 7 and summary["epochs"] == pytest.approx(7 / 20)
     assert summary["world_size"] == 1 and summary["global_batch"] == 32
     assert summary["engine"] == "ddp" and summary["images_per_second"] > 0
+    # What ran: the model option (several share the builder "convnet"), here the default.
+    assert summary["model"] == "fast_convnet" and summary["model_builder"] == "convnet"
+    assert "spotring: fast_convnet on synthetic: test accuracy" in run.output
     assert f"summary     {run.dir / 'summary.json'}" in run.output
     assert "img/s" in run.output and "tensorboard" in run.output
 
@@ -93,3 +95,21 @@ def test_progress_in_a_log_is_plain_lines_and_ends_with_the_last_step():
     assert lines[0].startswith("20%") and "10/50" in lines[0]
     assert lines[-1].startswith("100%") and "50/50" in lines[-1] and "loss 0.0200" in lines[-1]
     assert len(lines) == 2  # in well under telemetry.LOG_LINE_SECONDS: the first and last
+
+
+def test_an_epoch_is_counted_from_1_wherever_a_user_reads_it(tmp_path):
+    # 10 steps per epoch; the loop passes its 0-based position, as a checkpoint holds it.
+    telemetry = Telemetry(tmp_path, enabled=True, progress=True, total_steps=20, done_steps=0)
+    for step, epoch in ((5, 0), (10, 0), (15, 1)):
+        telemetry.train(step, epoch, lr=0.1, loss=1.0, accuracy=0.5, images_per_second=100.0)
+        if step == 10:
+            telemetry.epoch(step, epoch, seconds=2.0, images_per_second=100.0)
+    bar = telemetry.progress.bar.postfix
+    telemetry.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"], r["epoch"]) for r in records] == [
+        ("train", 5, 1), ("train", 10, 1), ("epoch", 10, 1), ("train", 15, 2)]
+    assert bar.startswith("epoch 2 loss")
+    tb = EventAccumulator(str(tmp_path / "tensorboard"))
+    tb.Reload()
+    assert [e.step for e in tb.Scalars("epoch/seconds")] == [1]

@@ -33,8 +33,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 
-from trainer import config, job, runtime
-from trainer.exits import EXIT_CONFIG
+from spotring import runtime
+from spotring.exits import EXIT_CONFIG, ConfigError
+from trainer import config, job
 
 
 @hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
@@ -56,7 +57,7 @@ def check_overrides(argv: list[str]) -> None:
     try:
         parsed = OverridesParser.create().parse_overrides(args.overrides)
     except HydraException as e:
-        raise config.ConfigError(f"{e}") from e
+        raise ConfigError(f"{e}") from e
 
     def check(overrides: list[str]) -> None:
         cfg = config.compose(overrides)
@@ -81,7 +82,7 @@ def check_overrides(argv: list[str]) -> None:
 def main() -> None:
     try:
         check_overrides(sys.argv[1:])
-    except config.ConfigError as e:
+    except ConfigError as e:
         job.report_bad_input(e, runtime.detect())
         sys.exit(EXIT_CONFIG)
     rank = runtime.env_rank()

@@ -10,6 +10,7 @@ job with one clear paragraph instead of a hang or a traceback on N machines.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from dataclasses import dataclass, field
 from enum import Enum
@@ -20,8 +21,10 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_module
 from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from spotring.exits import ConfigError
 
 # conf/ is a package of its own, so that it ships in the wheel (pkg://conf for Hydra).
 CONF_MODULE = "conf"
@@ -46,7 +49,7 @@ def choices(name: str, values: str) -> type[Choice]:
     return Choice(name, [(value, value) for value in values.split()])
 
 
-DatasetName = choices("DatasetName", "mnist cifar10 synthetic")
+DatasetName = choices("DatasetName", "mnist cifar10 synthetic image_folder")
 ModelName = choices("ModelName", "convnet lenet cifar_convnet cifar_resnet torchvision")
 OptimizerName = choices("OptimizerName", "sgd adamw")
 Decay = choices("Decay", "cosine step none")
@@ -63,8 +66,15 @@ Precision = choices("Precision", "auto fp32 bf16 fp16")
 
 @dataclass
 class DatasetConfig:
-    name: DatasetName = MISSING
+    # A DatasetName; where _target_ is given, the run sets it to the target, which
+    # summary.json and the checkpoints then name. (A str, not the enum, for that reason:
+    # validate refuses any other name.)
+    name: str = MISSING
+    # mypkg.data.build: your own (train, test) Datasets; what it is called with and must
+    # return: trainer/datasets.py. Keys added with +dataset.KEY=... are its arguments.
+    _target_: str | None = None
     # Random crop (4 px padding) and horizontal flip, on tensors; meant for CIFAR.
+    # image_folder: RandomResizedCrop and flip. Not used with _target_ (the builder's).
     augment: bool = False
 
 
@@ -79,8 +89,24 @@ class SyntheticDatasetConfig(DatasetConfig):
 
 
 @dataclass
+class ImageFolderDatasetConfig(DatasetConfig):
+    """torchvision's ImageFolder layout: root/train/<class>/*.jpg|png and root/val/<class>/...
+    (or test/), resized to ``size`` and normalised by ``mean`` and ``std`` (per RGB channel)."""
+
+    root: str | None = None  # required
+    size: int = 224  # the side of the square crops the model sees
+    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])  # ImageNet's
+    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+
+
+@dataclass
 class ModelConfig:
-    name: ModelName = MISSING
+    # A ModelName; where _target_ is given, the run sets it to the target (see
+    # DatasetConfig.name).
+    name: str = MISSING
+    # mypkg.nets.build: your own torch.nn.Module; what it is called with: trainer/models.py.
+    # Keys added with +model.KEY=... are its arguments.
+    _target_: str | None = None
     # L1 penalty on weights (not biases) added to the loss, as in Bras & Valadao.
     l1: float = 0.0
 
@@ -175,6 +201,9 @@ class DataConfig:
     # Relative to the working directory: a checkout's data/ (with MNIST) when run from one.
     root: str = "data"
     download: bool = True  # fetch a missing dataset with torchvision when online
+    # Loader processes per worker for datasets read item by item (dataset._target_,
+    # dataset=image_folder); 0 reads them in the training process.
+    workers: int = 2
 
 
 @dataclass
@@ -182,7 +211,13 @@ class TrainConfig:
     # Fractions stop mid-epoch: 0.5 trains on half of a (shuffled) epoch.
     epochs: float = 2
     max_steps: int | None = None  # stop after this many optimizer steps (tests, benchmarks)
-    batch_size: int = 64  # per worker and micro-step
+    # Samples per optimizer step over all workers: the setting that makes a run the same
+    # run on any number of workers. Set, the workers' micro-batch and accumulation follow
+    # from the world size at start (spotring.split_global_batch: the fewest micro-steps
+    # whose micro-batch is at most train.batch_size), and train.accumulation is ignored.
+    # Unset: train.batch_size x workers x train.accumulation.
+    global_batch: int | None = None
+    batch_size: int = 64  # per worker and micro-step (with global_batch: the most)
     accumulation: int = 1  # micro-steps per optimizer step
     seed: int = 0
     label_smoothing: float = 0.0
@@ -248,6 +283,7 @@ def register() -> None:
     for group, name, node in [
         ("dataset", "dataset", DatasetConfig),
         ("dataset", "synthetic", SyntheticDatasetConfig),
+        ("dataset", "image_folder", ImageFolderDatasetConfig),
         ("model", "model", ModelConfig),
         ("model", "convnet", ConvNetConfig),
         ("model", "cifar_convnet", CifarConvNetConfig),
@@ -294,10 +330,6 @@ def _for_users(message: str) -> str:
 
 # -------------------------------------------------------------------------- validation
 
-class ConfigError(ValueError):
-    """A value the run cannot start with. The message says which and what is valid."""
-
-
 def one_of(key: str, value: Any, valid: tuple[str, ...] | list[str]) -> str | None:
     """A problem line if ``value`` is not in ``valid``, with a close match when there is one."""
     if value in valid:
@@ -326,7 +358,15 @@ def validate(cfg: DictConfig) -> None:
     if cfg.engine.name == "horovod":
         need(not cfg.engine.sync_bn,
              "engine.sync_bn=true: SyncBatchNorm is offered with engine=ddp only")
-    if cfg.model.name == "torchvision":
+    # The zoo's names and keys, checked where no _target_ of the user's replaces them.
+    model = None if cfg.model._target_ else cfg.model.name
+    dataset = None if cfg.dataset._target_ else cfg.dataset.name
+    if model is not None:
+        problems += filter(None, [one_of("model.name", model, [str(m) for m in ModelName])])
+    if dataset is not None:
+        problems += filter(None, [one_of("dataset.name", dataset,
+                                         [str(d) for d in DatasetName])])
+    if model == "torchvision":
         problems += filter(None, [one_of("model.arch", cfg.model.arch, torchvision_archs())])
 
     positive = {
@@ -344,20 +384,26 @@ def validate(cfg: DictConfig) -> None:
     }
     if cfg.train.max_steps is not None:
         positive["train.max_steps"] = cfg.train.max_steps
+    if cfg.train.global_batch is not None:
+        positive["train.global_batch"] = cfg.train.global_batch
     if cfg.train.threads is not None:
         positive["train.threads"] = cfg.train.threads
     if cfg.train.eval_samples is not None:
         positive["train.eval_samples"] = cfg.train.eval_samples
-    if cfg.model.name == "cifar_convnet":
+    if model == "cifar_convnet":
         positive["model.width"] = cfg.model.width
-    if cfg.dataset.name == "synthetic":
+    if cfg.dataset.get("num_classes") is not None:  # synthetic's, or one added for a _target_
+        positive["dataset.num_classes"] = cfg.dataset.num_classes
+    if dataset == "synthetic":
         positive |= {
-            "dataset.num_classes": cfg.dataset.num_classes,
             "dataset.train_size": cfg.dataset.train_size,
             "dataset.test_size": cfg.dataset.test_size,
         }
         need(len(cfg.dataset.shape) == 3 and all(s > 0 for s in cfg.dataset.shape),
              f"dataset.shape={list(cfg.dataset.shape)}: must be three positive sizes [C, H, W]")
+    if dataset == "image_folder":
+        positive["dataset.size"] = cfg.dataset.size
+        problems += image_folder_problems(cfg.dataset)
     for key, value in positive.items():
         need(value > 0, f"{key}={value}: must be positive")
 
@@ -367,6 +413,7 @@ def validate(cfg: DictConfig) -> None:
         "schedule.warmup_epochs": cfg.schedule.warmup_epochs,
         "checkpoint.every_steps": cfg.checkpoint.every_steps,
         "train.eval_every_steps": cfg.train.eval_every_steps,
+        "data.workers": cfg.data.workers,
     }.items():
         need(value >= 0, f"{key}={value}: must be zero or positive")
     need(0 <= cfg.train.label_smoothing < 1,
@@ -374,13 +421,13 @@ def validate(cfg: DictConfig) -> None:
     if cfg.schedule.decay == "step":
         need(len(cfg.schedule.milestones) > 0,
              "schedule.milestones=[]: decay=step needs at least one epoch, e.g. [30,60,80]")
-    if cfg.model.name == "convnet":
+    if model == "convnet":
         need(len(cfg.model.channels) == 2 and len(cfg.model.kernels) == 2,
              f"model.channels={list(cfg.model.channels)}, model.kernels="
              f"{list(cfg.model.kernels)}: the convnet has exactly two conv stages")
-    if cfg.model.name == "cifar_convnet":
+    if model == "cifar_convnet":
         problems += cifar_convnet_problems(cfg)
-    if cfg.model.name == "cifar_resnet":
+    if model == "cifar_resnet":
         need(cfg.model.depth >= 8 and (cfg.model.depth - 2) % 6 == 0,
              f"model.depth={cfg.model.depth}: a CIFAR ResNet has depth 6n+2 (20, 32, 44, 56, 110)")
     if cfg.checkpoint.uri is not None:
@@ -398,8 +445,36 @@ def validate(cfg: DictConfig) -> None:
         )
 
 
+def image_folder_problems(dataset: DictConfig) -> list[str]:
+    """dataset=image_folder needs its folder, and RGB statistics to normalise by."""
+    problems = []
+    if dataset.root is None:
+        problems.append("dataset.root: required with dataset=image_folder: a folder holding "
+                        "train/<class>/*.jpg|png and val/<class>/... (or test/)")
+    for key in ("mean", "std"):
+        if len(dataset[key]) != 3:
+            problems.append(f"dataset.{key}={list(dataset[key])}: must be three values, one "
+                            "per RGB channel (ImageFolder reads every image as RGB)")
+    if any(s <= 0 for s in dataset.std):
+        problems.append(f"dataset.std={list(dataset.std)}: must be positive")
+    return problems
+
+
 # The image side of each named dataset (synthetic ones give dataset.shape).
 IMAGE_SIDE = {"mnist": 28, "cifar10": 32}
+MAX_STAGES = 4  # of cifar_convnet: MathWorks' family
+
+
+def image_side(cfg: DictConfig) -> int | None:
+    """The smaller side of the dataset's images; None for a dataset._target_'s, which is
+    known only once it is built."""
+    if cfg.dataset._target_:
+        return None
+    if cfg.dataset.name == "synthetic":
+        return min(cfg.dataset.shape[1:], default=0)
+    if cfg.dataset.name == "image_folder":
+        return cfg.dataset.size
+    return IMAGE_SIDE[cfg.dataset.name]
 
 
 def cifar_convnet_problems(cfg: DictConfig) -> list[str]:
@@ -407,14 +482,14 @@ def cifar_convnet_problems(cfg: DictConfig) -> list[str]:
     pools (32 -> 15 -> 7 -> 3 -> 1: four on CIFAR-10, three on MNIST's 28 -> 13 -> 6 -> 2),
     and model.kernel is odd, so that padding kernel//2 keeps the size."""
     model, problems = cfg.model, []
-    side = (min(cfg.dataset.shape[1:], default=0) if cfg.dataset.name == "synthetic"
-            else IMAGE_SIDE[cfg.dataset.name])
-    most = 0
-    while side >= 3 and most < 4:
+    side = image_side(cfg)
+    most = 0 if side is not None else MAX_STAGES
+    while side is not None and side >= 3 and most < MAX_STAGES:
         side, most = (side - 3) // 2 + 1, most + 1
     if not 1 <= model.depth <= most:
         valid = f"1 to {most}" if most else "none (images smaller than the 3x3 pool)"
-        problems.append(f"model.depth={model.depth}: valid with dataset={cfg.dataset.name}: "
+        dataset = cfg.dataset._target_ or cfg.dataset.name
+        problems.append(f"model.depth={model.depth}: valid with dataset={dataset}: "
                         f"{valid}; each stage's 3x3 stride-2 pool halves the image")
     if model.kernel < 1 or model.kernel % 2 == 0:
         problems.append(f"model.kernel={model.kernel}: must be odd and positive "
@@ -479,6 +554,58 @@ def compile_unavailable(on_cpu: bool) -> str | None:
         if not has_triton():
             return "inductor needs Triton for GPU kernels, and it is not installed"
     return None
+
+
+# ------------------------------------------------------------ your own builders (_target_)
+
+def added_keys(node: DictConfig) -> dict[str, Any]:
+    """The keys of a group's config that its schema does not declare: those added with
+    +model.KEY=VALUE, the arguments of its _target_ (plain Python values). The schema's
+    own (name, l1, augment, the zoo option's channels...) are the trainer's."""
+    declared = {f.name for f in dataclasses.fields(OmegaConf.get_type(node))}
+    values = OmegaConf.to_container(node, resolve=True)
+    return {key: value for key, value in values.items() if key not in declared}
+
+
+def instantiate(group: str, node: DictConfig, **arguments: Any) -> Any:
+    """What ``node._target_`` returns, called with ``added_keys(node)`` (through
+    hydra.utils.instantiate: a nested node with a _target_ of its own is instantiated
+    first) and ``arguments`` as they are (Hydra would make a tuple a list). A target that
+    cannot be imported or is not callable, or a call that raises, is a ConfigError naming
+    the target (as ``group``._target_) and why: nothing of the run has started then."""
+    from hydra.utils import instantiate as hydra_instantiate
+
+    target, keys = node._target_, added_keys(node)
+    if clash := sorted(keys.keys() & arguments.keys()):
+        raise ConfigError(f"{group}.{clash[0]}: the trainer gives {group}._target_={target} "
+                          f"{', '.join(clash)} itself; remove the key")
+    try:
+        build = hydra_instantiate({"_target_": target, **keys}, _partial_=True,
+                                  _convert_="all")
+    except Exception as e:
+        if str(e).startswith("Error locating target"):  # Hydra's words for a failed import
+            why = "import failed: " + " ".join(str(e.__cause__).split())
+        else:  # not callable, or a nested _target_ failed: Hydra's message says which
+            why = " ".join(str(e).split())
+        raise ConfigError(f"{group}._target_={target}: {why}") from e
+    try:
+        return build(**arguments)
+    except Exception as e:
+        call = ", ".join(f"{k}={v!r}" for k, v in {**keys, **arguments}.items())
+        raise ConfigError(f"{group}._target_={target}: {target}({call}) raised "
+                          f"{type(e).__name__}: {e}") from e
+
+
+def describe(value: Any) -> str:
+    """A short account of a value a builder returned, for an error message: its type and
+    a glimpse of it (a tensor's or array's dtype and shape, a tuple's first items)."""
+    if hasattr(value, "dtype") and hasattr(value, "shape"):
+        return f"a {type(value).__name__} of {value.dtype} {list(value.shape)}"
+    if isinstance(value, tuple | list):
+        items = ", ".join(describe(v) for v in value[:3]) + (", ..." if len(value) > 3 else "")
+        return f"a {type(value).__name__} of {len(value)} ({items})"
+    text = " ".join(repr(value).split())
+    return f"a {type(value).__name__} ({text if len(text) <= 60 else text[:57] + '...'})"
 
 
 def global_batch(cfg: DictConfig, world_size: int) -> int:

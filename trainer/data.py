@@ -1,25 +1,26 @@
-"""The world-size-invariant sample order, and batches ready on the device.
+"""Batches ready on the device: from dataset tensors held in memory (`Batches`), or from
+Datasets read item by item through a spotring.DataLoader (`LoaderBatches`).
 
-The invariant (docs/design.md, "Why N workers take the same steps as one"):
-
-    epoch e's order is ONE permutation of the training set, seeded by (seed, e);
-    global batch i is permutation[offset + i*G : offset + (i+1)*G], G = the global batch;
-    inside it, micro-step k of rank r takes the slice number k*W + r of size B
-    (G = B x W x K for W workers and K accumulation steps).
-
-So global batch i of epoch e is the same set of samples for any number of workers,
-and a run that lost nodes resumes mid-epoch on fewer (keeping G with more
-accumulation) and sees exactly the samples it would have seen.
-
-Uneven tails: an epoch has floor(N/G) steps and drops the last N mod G samples
-(a different few each epoch, because the permutation changes). Every optimizer step
-then averages exactly G samples, which keeps the LR scaling exact and the step of
-W workers identical to the step of one. Evaluation is not batched globally: the test
-set is cut into W contiguous shards, so every test sample counts exactly once.
+The order is spotring's world-size-invariant one (spotring/sampler.py; docs/design.md,
+"Why N workers take the same steps as one"): epoch e's order is one permutation seeded
+by (seed, e), global batch i is its i-th slice of G samples, micro-step k of rank r
+takes part k*W + r, and the tail shorter than G is dropped. `Batches.train` takes its
+indices from `spotring.sampler.micro_batches`, the same code that orders
+`spotring.DataLoader`, and gathers them straight out of the uint8 tensors: no loader
+processes, no per-sample Python. Evaluation is not batched globally: the test set is
+cut into W contiguous shards, so every test sample counts exactly once.
 
 Augmentation (random crop with 4 px zero padding, horizontal flip) draws its
 randomness per global batch from (seed, epoch, offset) and gives each rank its
 slice of it: the augmented images are world-size-invariant too.
+
+`LoaderBatches` serves the loop the same interface and the same order for a
+`MapDataset` (dataset=image_folder, dataset._target_): a spotring.DataLoader takes each
+micro-batch's indices from the same `micro_batches`, ``data.workers`` loader processes
+read and transform the items, and every training item is read with torch's RNG seeded
+by (seed, epoch, index): a random transform of a sample is the same in whichever
+process, rank or world size reads it. (Transforms that draw from Python's `random` or
+NumPy instead stay random per process.)
 """
 
 from __future__ import annotations
@@ -29,32 +30,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.data
 
-from trainer.datasets import Dataset, Split
+from spotring.loader import DataLoader
+from spotring.sampler import _generator, micro_batches, steps_in_epoch
+from trainer.datasets import Dataset, MapDataset, Split
 
 PAD = 4  # pixels of zero padding for the random crop
-
-
-def _generator(*key: int) -> torch.Generator:
-    # A 63-bit seed from the key; Python's tuple hash of ints is stable across runs.
-    return torch.Generator().manual_seed(hash(key) & 0x7FFF_FFFF_FFFF_FFFF)
-
-
-def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
-    """The sample order of one epoch: the same on every rank, for every world size."""
-    return torch.randperm(n, generator=_generator(seed, epoch))
-
-
-def steps_in_epoch(n: int, global_batch: int, offset: int = 0) -> int:
-    """Full global batches left in an epoch from sample ``offset`` on (the tail is dropped)."""
-    return (n - offset) // global_batch
-
-
-def shard(batch: torch.Tensor, rank: int, world_size: int,
-          accumulation: int) -> list[torch.Tensor]:
-    """This rank's micro-batches of one global batch: slice k*W + r for micro-step k."""
-    parts = batch.chunk(world_size * accumulation)
-    return [parts[k * world_size + rank] for k in range(accumulation)]
 
 
 @dataclass
@@ -95,17 +77,17 @@ class Batches:
 
     def train(self, epoch: int, offset: int = 0) -> Iterator[Batch]:
         """The steps of ``epoch`` from sample ``offset`` on."""
-        order = epoch_order(len(self.dataset.train), self.seed, epoch)
-        for _ in range(self.steps_left(offset)):
-            batch = order[offset: offset + self.global_batch]
+        steps = micro_batches(len(self.dataset.train), self.global_batch, rank=self.rank,
+                              world_size=self.world_size, accumulation=self.accumulation,
+                              seed=self.seed, epoch=epoch, offset=offset)
+        for end, indices in steps:
             flips = crops = None
             if self.augment:
-                g = _generator(self.seed, epoch, offset)
+                g = _generator(self.seed, epoch, end - self.global_batch)
                 crops = torch.randint(0, 2 * PAD + 1, (self.global_batch, 2), generator=g)
                 flips = torch.rand(self.global_batch, generator=g) < 0.5
             micro = []
-            for k, index in enumerate(shard(batch, self.rank, self.world_size,
-                                            self.accumulation)):
+            for k, index in enumerate(indices):
                 x, y = self._to_device(self.dataset.train, index)
                 if self.augment:
                     # The same slice of the global batch's crops and flips as of its samples.
@@ -113,8 +95,7 @@ class Batches:
                     part = slice(start, start + len(index))
                     x = crop_and_flip(x, crops[part].to(self.device), flips[part].to(self.device))
                 micro.append((self._normalise(x), y))
-            offset += self.global_batch
-            yield Batch(epoch, offset, micro)
+            yield Batch(epoch, end, micro)
 
     def test(self, batch_size: int, samples: int | None = None
              ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -136,6 +117,80 @@ class Batches:
         # The float copy is made in the batch's memory format, and addcmul keeps it.
         x = x.to(self._scale.dtype, memory_format=self.memory_format)
         return torch.addcmul(self._shift, x, self._scale)
+
+
+class LoaderBatches:
+    """The `Batches` interface over a MapDataset: this rank's micro-batches, read by
+    ``workers`` loader processes (pinned memory on GPUs), on the device in ``dtype`` and
+    ``memory_format``. The items come normalised from the Datasets' own transforms."""
+
+    def __init__(self, dataset: MapDataset, *, global_batch: int, rank: int,
+                 world_size: int, accumulation: int, seed: int, device: torch.device,
+                 dtype: torch.dtype = torch.float32,
+                 memory_format: torch.memory_format = torch.contiguous_format,
+                 workers: int = 2) -> None:
+        self.dataset, self.global_batch = dataset, global_batch
+        self.rank, self.world_size, self.workers = rank, world_size, workers
+        self.device, self.dtype, self.memory_format = device, dtype, memory_format
+        self.items = SeededItems(dataset.train, seed)
+        # batch_size B = G / (W x K) makes the loader split G into this run's K micro-steps.
+        self.loader = DataLoader(self.items, global_batch,
+                                 batch_size=global_batch // (world_size * accumulation),
+                                 seed=seed, rank=rank, world_size=world_size,
+                                 num_workers=workers, pin_memory=device.type == "cuda")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.loader.steps_per_epoch
+
+    def steps_left(self, offset: int) -> int:
+        return steps_in_epoch(len(self.dataset.train), self.global_batch, offset)
+
+    def train(self, epoch: int, offset: int = 0) -> Iterator[Batch]:
+        """The steps of ``epoch`` from sample ``offset`` on."""
+        self.items.epoch = epoch  # before the loader processes start, which copy it
+        self.loader.load_state_dict(self.loader.state_dict() | {"epoch": epoch,
+                                                                "offset": offset})
+        micro = []
+        for x, y in self.loader:
+            micro.append(self._to_device(x, y))
+            if self.loader.is_step_boundary:
+                yield Batch(epoch, self.loader.offset, micro)
+                micro = []
+
+    def test(self, batch_size: int, samples: int | None = None
+             ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's contiguous shard of the test set (of its first ``samples``), in
+        batches, as `Batches.test`."""
+        test = self.dataset.test
+        n = min(samples or len(test), len(test))
+        mine = torch.arange(n).tensor_split(self.world_size)[self.rank]
+        loader = torch.utils.data.DataLoader(
+            torch.utils.data.Subset(test, mine.tolist()), batch_size=batch_size,
+            num_workers=self.workers, pin_memory=self.device.type == "cuda")
+        for x, y in loader:
+            yield self._to_device(x, y)
+
+    def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (x.to(self.device, self.dtype, non_blocking=True, memory_format=self.memory_format),
+                y.to(self.device, torch.long, non_blocking=True))
+
+
+class SeededItems(torch.utils.data.Dataset):
+    """``dataset``'s items, each read with torch's global RNG seeded by (seed, epoch,
+    index) (and restored after): the same random transforms of a sample in any process.
+    Set ``epoch`` before the loader processes of an epoch start: they copy it then."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset, seed: int) -> None:
+        self.dataset, self.seed, self.epoch = dataset, seed, 0
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_generator(self.seed, self.epoch, index).initial_seed())
+            return self.dataset[index]
 
 
 def crop_and_flip(x: torch.Tensor, crops: torch.Tensor, flips: torch.Tensor) -> torch.Tensor:

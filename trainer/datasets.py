@@ -1,9 +1,28 @@
-"""Dataset files -> uint8 tensors in memory, decoded once per worker.
+"""Dataset files -> uint8 tensors in memory, decoded once per worker; or your own data,
+read item by item.
 
 MNIST and CIFAR-10 are small enough (47 MB and 150 MB as uint8) that every worker
 holds the whole training set and slices its batches straight out of a tensor: no
 DataLoader processes, no per-sample Python, nothing to wait for between steps.
-torchvision.datasets reads the files, and fetches them.
+torchvision.datasets reads the files, and fetches them. Other data comes as a
+`MapDataset`, two map-style torch Datasets that trainer/data.py's LoaderBatches read
+through a spotring.DataLoader with ``data.workers`` processes:
+
+    dataset=image_folder   torchvision's ImageFolder: dataset.root=DIR holding
+                           train/<class>/*.jpg|png and val/<class>/... (or test/)
+    dataset._target_=mypkg.data.build   your own; hydra.utils.instantiate calls
+
+        build(**added, root=DATA_ROOT, seed=train.seed) -> (train, test)
+
+    where ``added`` are the keys you add (``+dataset.size=64``; dataset.num_classes too),
+    DATA_ROOT is data.root as an absolute path, and train and test are map-style
+    torch.utils.data.Datasets whose items are (image: float tensor C x H x W, label:
+    int). The number of classes is len(train.classes) (torchvision's datasets have it),
+    else +dataset.num_classes=N. The builder runs on every rank before any process group
+    exists; a target that fails or returns anything else ends the run with exit code 2,
+    naming it and what it returned (its first items are read to check them). Random
+    transforms that draw from torch's RNG (torchvision's do) are seeded per sample
+    (trainer/data.py), so they too are the same on any number of workers.
 
 Where the files are looked for: ``data.root``, by default ``data`` relative to the
 working directory. From a checkout (``make train``, the launchers' workdir) that is the
@@ -33,15 +52,19 @@ import contextlib
 import fcntl
 import gzip
 import logging
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.utils.data
 from omegaconf import DictConfig
 
-from trainer.config import ConfigError
-from trainer.stores import write_atomic
+from spotring.exits import ConfigError
+from spotring.stores import write_atomic
+from trainer.config import describe, instantiate
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +102,29 @@ class Dataset:
         return tuple(self.train.images.shape[1:])
 
 
+@dataclass
+class MapDataset:
+    """Two map-style torch Datasets of (float image C x H x W, int label) items, read item
+    by item (trainer/data.py LoaderBatches): image_folder's, or a dataset._target_'s."""
+
+    name: str  # image_folder, or the target
+    train: torch.utils.data.Dataset
+    test: torch.utils.data.Dataset
+    num_classes: int
+    shape: tuple[int, int, int]  # of train[0]'s image
+
+
 def root_of(data_cfg: DictConfig) -> Path:
     return Path(data_cfg.root).expanduser().resolve()
 
 
-def load(dataset_cfg: DictConfig, data_cfg: DictConfig, seed: int) -> Dataset:
-    """Find (or fetch) the dataset named in ``dataset_cfg`` and decode it into tensors."""
+def load(dataset_cfg: DictConfig, data_cfg: DictConfig, seed: int) -> Dataset | MapDataset:
+    """Find (or fetch) the dataset named in ``dataset_cfg`` and decode it into tensors, or
+    build and check the Datasets of image_folder or of a _target_."""
+    if dataset_cfg.get("_target_"):  # (a config of the schema has the key; a plain one not)
+        return _from_target(dataset_cfg, data_cfg, seed)
+    if dataset_cfg.name == "image_folder":
+        return _image_folder(dataset_cfg)
     if dataset_cfg.name == "synthetic":
         return _synthetic(dataset_cfg, seed)
     name, root = dataset_cfg.name, root_of(data_cfg)
@@ -269,3 +309,90 @@ def _synthetic(cfg: DictConfig, seed: int) -> Dataset:
     # The mean and standard deviation of uniform integers 0..255, scaled to [0, 1].
     return Dataset("synthetic", split(cfg.train_size), split(cfg.test_size), cfg.num_classes,
                    (0.5,) * channels, (0.2887,) * channels)
+
+
+# ------------------------------------------------------ datasets read item by item
+
+
+def _from_target(cfg: DictConfig, data_cfg: DictConfig, seed: int) -> MapDataset:
+    target = cfg._target_
+    built = instantiate("dataset", cfg, root=str(root_of(data_cfg)), seed=seed)
+    what = f"dataset._target_={target}"
+    if not (isinstance(built, tuple | list) and len(built) == 2):
+        raise ConfigError(f"{what} returned {describe(built)}, not a pair (train, test) of "
+                          "map-style torch.utils.data.Datasets")
+    return _checked(target, what, *built, cfg.get("num_classes"))
+
+
+def _image_folder(cfg: DictConfig) -> MapDataset:
+    """torchvision's ImageFolder over root/train and root/val (or root/test), with the
+    usual transforms: RandomResizedCrop(size) and a horizontal flip for training where
+    ``augment``, else (and for evaluation) Resize to size x 256/224 (ImageNet's 256 for
+    224) and CenterCrop(size); then ToTensor and Normalize(mean, std)."""
+    from torchvision import transforms as T
+    from torchvision.datasets import ImageFolder
+
+    root = Path(cfg.root).expanduser().resolve()
+    test_dir = next((root / d for d in ("val", "test") if (root / d).is_dir()), None)
+    if not (root / "train").is_dir() or test_dir is None:
+        raise DataError(f"dataset image_folder: {root} holds no "
+                        f"{'train/' if test_dir else 'train/ and val/ (or test/)'} folder. "
+                        "Fix: point dataset.root=DIR at a folder holding train/<class>/*.jpg|png "
+                        "and val/<class>/... (torchvision's ImageFolder layout).")
+    normalise = [T.ToTensor(), T.Normalize(list(cfg.mean), list(cfg.std))]
+    evaluation = T.Compose([T.Resize(round(cfg.size * 256 / 224)), T.CenterCrop(cfg.size),
+                            *normalise])
+    training = T.Compose([T.RandomResizedCrop(cfg.size), T.RandomHorizontalFlip(),
+                          *normalise]) if cfg.augment else evaluation
+    try:
+        train, test = ImageFolder(root / "train", training), ImageFolder(test_dir, evaluation)
+    except FileNotFoundError as e:  # no class folders, or no image files in them
+        raise DataError(f"dataset image_folder in {root}: {e}") from e
+    if train.classes != test.classes:
+        raise DataError(f"dataset image_folder in {root}: train/ has classes {train.classes} "
+                        f"but {test_dir.name}/ has {test.classes}; the labels are the class "
+                        "folders' sorted positions, so both need the same folders")
+    return _checked("image_folder", f"dataset=image_folder in {root}", train, test, None)
+
+
+def _checked(name: str, what: str, train: Any, test: Any,
+             num_classes: int | None) -> MapDataset:
+    """``train`` and ``test`` as a MapDataset, after checking what they are and their first
+    items; ``num_classes``: the config's, where train has no ``classes``."""
+    if getattr(train, "classes", None) is not None:
+        num_classes = len(train.classes)
+    if num_classes is None:
+        raise ConfigError(f"{what}: the number of classes is not known: its train Dataset has "
+                          "no `classes` (torchvision's datasets have one) and the config no "
+                          "dataset.num_classes. Fix: add +dataset.num_classes=N")
+    shapes = {}
+    for split, data in (("train", train), ("test", test)):
+        if not (isinstance(data, torch.utils.data.Dataset) and hasattr(data, "__len__")
+                and not isinstance(data, torch.utils.data.IterableDataset)):
+            raise ConfigError(f"{what}: its {split} set is {describe(data)}, not a map-style "
+                              "torch.utils.data.Dataset (with __len__ and __getitem__)")
+        if len(data) == 0:
+            raise ConfigError(f"{what}: its {split} set is empty")
+        item = data[0]
+        if not _is_sample(item):
+            raise ConfigError(f"{what}: {split}[0] is {describe(item)}; expected (image, "
+                              "label): a float tensor C x H x W and an int")
+        if not 0 <= item[1] < num_classes:
+            raise ConfigError(f"{what}: {split}[0] has label {int(item[1])}, not one of the "
+                              f"{num_classes} classes 0..{num_classes - 1}")
+        shapes[split] = tuple(int(n) for n in item[0].shape)
+    if shapes["train"] != shapes["test"]:
+        raise ConfigError(f"{what}: train[0] is an image of {list(shapes['train'])} but "
+                          f"test[0] of {list(shapes['test'])}; the model takes one shape")
+    return MapDataset(name, train, test, num_classes, shapes["train"])
+
+
+def _is_sample(item: Any) -> bool:
+    """(float tensor C x H x W, int label); a 0-d integer tensor counts as an int."""
+    if not (isinstance(item, tuple | list) and len(item) == 2):
+        return False
+    image, label = item
+    is_int = (isinstance(label, numbers.Integral) and not isinstance(label, bool)) or (
+        isinstance(label, torch.Tensor) and label.dim() == 0 and not label.is_floating_point())
+    return (isinstance(image, torch.Tensor) and image.is_floating_point() and image.dim() == 3
+            and is_int)

@@ -17,7 +17,9 @@ Every optimizer step:
     every step: the ranks vote on spot notices; on one, checkpoint and stop (exit 75)
     a NaN or infinite loss in those metrics or a test: every rank stops (exit 65)
 
-The loop knows neither the engine nor the launcher: it only calls the Engine interface.
+The loop knows neither the engine nor the launcher: it calls the spotring Job it is given
+(spotring/job.py: checkpoints, the vote, the exit codes; the API a user's script uses)
+and the Engine interface for the micro-steps.
 """
 
 from __future__ import annotations
@@ -28,38 +30,49 @@ import math
 import resource
 import sys
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import runtime
-from trainer.checkpoint import Checkpoints, Saved
-from trainer.config import DType, Precision, global_batch
-from trainer.data import Batch, Batches
-from trainer.datasets import Dataset
-from trainer.engines import Engine
-from trainer.models import build_model, l1_penalty
-from trainer.preemption import NOTICE_SECONDS, Preempted, Preemption
-from trainer.schedule import LRSchedule, build_optimizer
-from trainer.telemetry import Telemetry
+from spotring.exits import Diverged
+from spotring.job import Job
+from spotring.telemetry import Telemetry, epoch_number
+from trainer.config import DType, global_batch
+from trainer.data import Batch, Batches, LoaderBatches
+from trainer.datasets import Dataset, MapDataset
+from trainer.models import l1_penalty
+from trainer.schedule import build_optimizer, lr_schedule
 
 log = logging.getLogger(__name__)
 
 DTYPES = {DType.float32: torch.float32, DType.float64: torch.float64}
-AUTOCAST = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
+# What a diverged run is told to try.
+DIVERGED_HINT = "try a lower optim.lr (or more schedule.warmup_epochs)"
 
 
 @dataclass
 class Position:
-    """Where a run is; a checkpoint stores it and a resume starts from it."""
+    """Where a run is; every checkpoint holds it (job.track) and a resume starts from it.
+    Its epoch, offset and global_batch make it the job's position in the data, as a
+    spotring.DataLoader is for a user's script."""
 
+    global_batch: int
+    steps_per_epoch: int
     step: int = 0  # optimizer steps taken
     epoch: int = 0  # the epoch in progress (0-based)
     offset: int = 0  # samples of this epoch's order already consumed
+    trained_with: int | None = None  # the global batch of the checkpoint resumed from
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "epoch": self.epoch, "offset": self.offset,
+                "global_batch": self.global_batch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.epoch, self.offset = state["step"], state["epoch"], state["offset"]
+        self.trained_with = state["global_batch"]
 
 
 class Stopwatch:
@@ -103,20 +116,9 @@ def _every(step: int, interval: int) -> bool:
     return interval > 0 and step % interval == 0
 
 
-class Diverged(Exception):
-    """Raised on every rank at the same step once a loss the ranks agreed on (the train
-    loss summed at a log line, or the test loss) is NaN or infinite."""
-
-    def __init__(self, step: int, loss: float, kind: str = "train") -> None:
-        what = "the weights are not finite" if kind == "weights" else f"the {kind} loss is {loss}"
-        super().__init__(f"{what} at step {step}: training diverged; try a lower optim.lr "
-                         "(or more schedule.warmup_epochs)")
-        self.step, self.loss = step, loss
-
-
 def _check_finite(loss: float, step: int, kind: str) -> None:
     if not math.isfinite(loss):
-        raise Diverged(step, loss, kind)
+        raise Diverged(step, loss, kind, DIVERGED_HINT)
 
 
 def _memory(model: torch.nn.Module, device: torch.device) -> dict[str, float]:
@@ -139,82 +141,78 @@ def _memory(model: torch.nn.Module, device: torch.device) -> dict[str, float]:
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig, engine: Engine, dataset: Dataset, run_dir: Path,
-                 checkpoints: Checkpoints, resume: dict[str, Any] | None) -> None:
-        self.cfg, self.engine, self.run_dir, self.checkpoints = cfg, engine, run_dir, checkpoints
-        self.world_size = engine.world_size
-        self.global_batch = global_batch(cfg, engine.world_size)
-        self.batches = Batches(
-            dataset, global_batch=self.global_batch, rank=engine.rank,
-            world_size=engine.world_size, accumulation=cfg.train.accumulation,
-            seed=cfg.train.seed, augment=cfg.dataset.augment, device=engine.device,
-            dtype=DTYPES[cfg.train.dtype],
-            memory_format=torch.channels_last if cfg.train.channels_last
-            else torch.contiguous_format,
-        )
-        self.schedule = LRSchedule.from_config(cfg, self.global_batch, self.batches.steps_per_epoch)
+    """The built-in trainer's loop over a spotring Job: the job joined the process group
+    and owns the checkpoints, the vote on notices and the exit codes; the trainer trains
+    ``model`` (trainer/models.py build_model, the same weights on every rank), feeds it
+    this rank's batches and keeps the metrics."""
+
+    def __init__(self, cfg: DictConfig, job: Job, dataset: Dataset | MapDataset,
+                 model: torch.nn.Module) -> None:
+        self.cfg, self.job, self.engine = cfg, job, job.engine
+        self.world_size = job.world_size
+        self.global_batch = global_batch(cfg, job.world_size)
+        common = dict(global_batch=self.global_batch, rank=job.rank, world_size=job.world_size,
+                      accumulation=cfg.train.accumulation, seed=cfg.train.seed,
+                      device=job.device, dtype=DTYPES[cfg.train.dtype],
+                      memory_format=torch.channels_last if cfg.train.channels_last
+                      else torch.contiguous_format)
+        if isinstance(dataset, MapDataset):  # read item by item, by loader processes
+            self.batches = LoaderBatches(dataset, workers=cfg.data.workers, **common)
+        else:  # uint8 tensors in memory: sliced on the spot, faster
+            self.batches = Batches(dataset, augment=cfg.dataset.augment, **common)
+        self.schedule = lr_schedule(cfg, self.global_batch, self.batches.steps_per_epoch)
         self.total_steps = self.schedule.total_steps
         if cfg.train.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.train.max_steps)
 
-        # The same seed on every rank gives every rank the same initial weights.
-        runtime.seed_all(cfg.train.seed)
-        model = build_model(cfg.model, dataset.shape, dataset.num_classes).to(
-            engine.device, DTYPES[cfg.train.dtype])
-        # NHWC: the 4-D weights (convolutions) here, unless the engine's collectives
-        # need them contiguous; the image batches come NHWC from self.batches.
-        if cfg.train.channels_last and not engine.contiguous_only:
-            model = model.to(memory_format=torch.channels_last)
+        model = model.to(job.device, DTYPES[cfg.train.dtype])
         optimizer = build_optimizer(cfg.optim, model.parameters())
-        # fp16 only: float16 gradients underflow without a loss scale. The allreduce
-        # averages the scaled float32 gradients; engine.step unscales them.
-        self.scaler = torch.amp.GradScaler(engine.device.type,
-                                           enabled=cfg.train.precision == Precision.fp16)
-        self.position = Position()
-        self.resumed_from = None
-        if resume is not None:
-            self._restore(resume, model, optimizer)
-        else:
-            runtime.seed_all(hash((cfg.train.seed, engine.rank)))  # per-rank randomness
-        # The plain module: checkpoints hold its state (no "_orig_mod." or "module."
-        # prefixes), so compiled and plain runs resume each other; evaluation runs it.
+        # The plain module: checkpoints hold its state, so that compiled and plain runs
+        # resume each other; evaluation runs it.
         self.raw_model = model
-        if cfg.train.compile:
-            # Compiled before DDP wraps it: the compiled module then runs inside DDP's
-            # forward, where torch.compile's DDPOptimizer splits the graph at DDP's
-            # gradient buckets, so the allreduce still overlaps backward. (Compiling the
-            # DDP wrapper instead, as PyTorch's notes suggest, compiles nothing of a
-            # torch.nn.Sequential in torch 2.14: dynamo skips torch.nn's own forward
-            # frames after the graph break in DDP's forward.) Horovod's hooks sit on the
-            # parameters, which the compiled module shares.
-            model = torch.compile(model)
+        self.position = Position(self.global_batch, self.batches.steps_per_epoch)
+        job.track(model=model, optimizer=optimizer, position=self.position)
+        job.annotate(model=OmegaConf.to_container(cfg.model, resolve=True, enum_to_str=True),
+                     dataset=cfg.dataset.name)
+        # NHWC weights unless the engine's collectives need them contiguous (the image
+        # batches come NHWC from self.batches). With train.compile, the model is compiled
+        # before DDP wraps it: the compiled module then runs inside DDP's forward, where
+        # torch.compile's DDPOptimizer splits the graph at DDP's gradient buckets, so the
+        # allreduce still overlaps backward. (Compiling the DDP wrapper instead, as
+        # PyTorch's notes suggest, compiles nothing of a torch.nn.Sequential in torch
+        # 2.14: dynamo skips torch.nn's own forward frames after the graph break in DDP's
+        # forward.) Horovod's hooks sit on the parameters, which the compiled module shares.
+        self.model, self.optimizer = job.wrap(
+            model, optimizer, precision=str(cfg.train.precision),
+            channels_last=cfg.train.channels_last, compile=cfg.train.compile,
+            accumulation=cfg.train.accumulation)
         self._compiling = bool(cfg.train.compile)  # until a step compiles nothing
-        self.model, self.optimizer = engine.prepare(model, optimizer, cfg.train.accumulation)
         self.compile_seconds, self.compile_steps = 0.0, 0
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
-        self.telemetry = Telemetry(run_dir, engine.rank == 0, cfg.telemetry.progress,
-                                   self.total_steps, self.position.step)
-        self.stopwatch = Stopwatch(engine.device)
-        self._last_saved = "(written by rank 0)"
-        self._saved: Saved | None = None  # rank 0's newest checkpoint
+        self.stopwatch = Stopwatch(job.device)
+        self.resumed_from: str | None = None
         # Running sums since the last log line, on the device: loss x n, correct, n.
-        self._sums = torch.zeros(3, device=engine.device, dtype=torch.float64)
+        self._sums = torch.zeros(3, device=job.device, dtype=torch.float64)
 
     # ----------------------------------------------------------------------- the loop
 
-    def fit(self) -> dict[str, Any]:
-        """Train to the end (or train.max_steps), evaluate, checkpoint; raises Preempted."""
-        preemption = Preemption(self.cfg.preemption, self.engine, self.engine.local_rank)
+    def fit(self, resume: Any = "auto") -> dict[str, Any]:
+        """Resume (``resume``: job.restore's source), train to the end (or
+        train.max_steps), evaluate, checkpoint. A notice ends the process with exit 75
+        (job.save_and_exit), a divergence raises Diverged."""
+        self._restore(resume)
+        self.telemetry = Telemetry(self.job.run_dir, self.job.is_main, self.cfg.telemetry.progress,
+                                   self.total_steps, self.position.step)
+        self.job.telemetry = self.telemetry  # the job's records go to the same files
         try:
-            return self._fit(preemption)
+            return self._fit()
         finally:
-            preemption.close()
             self.telemetry.close()
 
-    def _fit(self, preemption: Preemption) -> dict[str, Any]:
-        pos, cfg = self.position, self.cfg
+    def _fit(self) -> dict[str, Any]:
+        pos, cfg, job = self.position, self.cfg, self.job
         start_step, last_log = pos.step, (self._timed_steps(), 0.0)
-        saved_at = evaluated_at = None
+        evaluated_at = None
         lr = self.schedule(pos.step)
         log.info("training %s on %s: %d workers x batch %d x %d accumulation = global batch "
                  "%d, %d steps per epoch, LR %.4g -> %.4g (x%.3g, linear scaling rule); "
@@ -240,13 +238,10 @@ class Trainer:
                 if _every(pos.step, cfg.train.eval_every_steps):
                     test, evaluated_at = self.evaluate(), pos.step
                 if _every(pos.step, cfg.checkpoint.every_steps):
-                    saved_at = self._checkpoint()
-                decision = preemption.decide()
-                if (decision.stop or decision.checkpoint) and saved_at != pos.step:
-                    saved_at = self._checkpoint()
-                if decision.stop:
-                    raise Preempted(decision.stop, pos.step, self._last_saved,
-                                    self._notice_budget(decision.stop, preemption.noticed_at))
+                    self._checkpoint()
+                if job.should_stop():
+                    self.stopwatch.pause()
+                    job.save_and_exit()
                 if pos.step >= self.total_steps:
                     break
             self.stopwatch.pause()
@@ -258,12 +253,10 @@ class Trainer:
                 pos.epoch, pos.offset = pos.epoch + 1, 0
                 if evaluated_at != pos.step:
                     test, evaluated_at = self.evaluate(), pos.step
-                if saved_at != pos.step:
-                    saved_at = self._checkpoint()
+                self._checkpoint()
         if evaluated_at != pos.step:
             test = self.evaluate()
-        if saved_at != pos.step:
-            self._checkpoint()
+        self._checkpoint()
         steps = pos.step - start_step
         seconds = self.stopwatch.total
         # A run resumed at its last step trains for no time.
@@ -286,7 +279,7 @@ class Trainer:
             "final_lr": lr,
             "peak_lr": self.schedule.peak_lr,
             "dataset": cfg.dataset.name,
-            "model": cfg.model.name,
+            "model_builder": cfg.model.name,  # trainer/models.py's; job.py adds "model"
             "resumed_from": self.resumed_from,
             "precision": str(cfg.train.precision),
             "channels_last": cfg.train.channels_last,
@@ -326,18 +319,12 @@ class Trainer:
             self._compiling = False
         self.stopwatch.start()
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        precision = self.cfg.train.precision
-        if precision == Precision.fp32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.engine.device.type, dtype=AUTOCAST[precision])
-
     def _train_step(self, batch: Batch) -> None:
         k = len(batch.micro)
         for i, (x, y) in enumerate(batch.micro):
             sync = i == k - 1  # only the last micro-step's backward runs the allreduce
             with contextlib.nullcontext() if sync else self.engine.no_sync(self.model):
-                with self._autocast():  # the loss comes out float32 either way
+                with self.job.autocast():  # the loss comes out float32 either way
                     logits = self.model(x)
                     loss = self.criterion(logits, y)
                 with torch.no_grad():
@@ -345,8 +332,8 @@ class Trainer:
                                                torch.tensor(len(y), device=y.device)])
                 if self.cfg.model.l1:
                     loss = loss + self.cfg.model.l1 * l1_penalty(self.raw_model)
-                self.scaler.scale(loss * (self.engine.loss_scale / k)).backward()
-        self.engine.step(self.optimizer, self.scaler)
+                self.job.scaler.scale(loss * (self.engine.loss_scale / k)).backward()
+        self.engine.step(self.optimizer, self.job.scaler)
         self.optimizer.zero_grad()  # sets grads to None (torch >= 2.0)
 
     def _log_interval(self, last: tuple[int, float], lr: float) -> tuple[int, float]:
@@ -370,7 +357,7 @@ class Trainer:
         sums = torch.zeros(3, device=self.engine.device, dtype=torch.float64)
         for x, y in self.batches.test(self.cfg.train.eval_batch_size,
                                       self.cfg.train.eval_samples):
-            with self._autocast():
+            with self.job.autocast():
                 logits = self.raw_model(x)
             sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum"),
                                  (logits.argmax(1) == y).sum(),
@@ -386,91 +373,22 @@ class Trainer:
 
     # -------------------------------------------------------------------- checkpoints
 
-    def _checkpoint(self) -> int:
-        self.stopwatch.pause()
-        # Never a checkpoint of diverged weights to resume from. The ranks hold the same
-        # weights, so each comes to the same answer.
-        if not all(bool(torch.isfinite(p).all()) for p in self.raw_model.parameters()):
-            raise Diverged(self.position.step, float("nan"), "weights")
-        rng = self.engine.all_gather_object(runtime.rng_state())  # every rank's, for resume
-        if self.engine.rank == 0:
-            pos = self.position
-            state = {
-                "model": self.raw_model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scaler": self.scaler.state_dict(),  # {} unless train.precision=fp16
-                "position": asdict(pos),
-                "global_batch": self.global_batch,
-                "schedule": {"step": pos.step, "peak_lr": self.schedule.peak_lr},
-                "rng": rng,
-                # Plain strings for the enum fields: weights_only loading takes no classes.
-                "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
-            }
-            meta = {
-                "step": pos.step, "epoch": pos.epoch, "offset": pos.offset,
-                "model": OmegaConf.to_container(self.cfg.model, resolve=True, enum_to_str=True),
-                "dataset": self.cfg.dataset.name,
-                "world_size": self.world_size, "global_batch": self.global_batch,
-            }
-            self._saved = self.checkpoints.save(state, meta)
-            self._last_saved = self._saved.location
-            log.info("checkpoint %s, %s", self._last_saved, self._saved.describe())
-        return self.position.step
+    def _checkpoint(self) -> None:
+        """The job's checkpoint of this step, unless it is written (the stopwatch paused)."""
+        if self.job.saved_step != self.position.step:
+            self.stopwatch.pause()
+            self.job.save()
 
-    def _notice_budget(self, reason: str, noticed_at: float) -> dict[str, float]:
-        """Rank 0: how long the checkpoint the run stops with took after the notice (or
-        signal) reached this process, against EC2's NOTICE_SECONDS. Logs one line and
-        returns preempted.json's fields (epoch seconds; noticed_at <= local_saved_at <=
-        saved_at, a time clamped to noticed_at where that checkpoint was already written
-        when the notice came):
-
-            noticed_at       the notice or signal reached rank 0 (or the others' vote did)
-            local_saved_at   the checkpoint complete in checkpoint.dir
-            saved_at         complete and read back on every store (S3 too)
-            upload_seconds, upload_bytes   the S3 store's share (with checkpoint.uri)
-        """
-        if self.engine.rank != 0:
-            return {}
-        saved = self._saved
-        fields = {"noticed_at": noticed_at,
-                  "local_saved_at": max(saved.done_at[self.checkpoints.local.where], noticed_at),
-                  "saved_at": max(saved.complete_at, noticed_at)}
-        if self.checkpoints.remote is not None:
-            fields |= {"upload_seconds": saved.seconds[self.checkpoints.remote.where],
-                       "upload_bytes": saved.bytes}
-        spent = fields["saved_at"] - noticed_at
-        # Past the notice the instance is gone, and so is a checkpoint not yet uploaded.
-        log.log(logging.INFO if spent <= NOTICE_SECONDS else logging.WARNING,
-                "notice budget (%s): checkpoint of step %d, %s; notice to the local copy "
-                "%.2f s, to every store and read back %.2f s: %.2f s left of EC2's %d s",
-                reason, self.position.step, saved.describe(),
-                fields["local_saved_at"] - noticed_at, spent, NOTICE_SECONDS - spent,
-                NOTICE_SECONDS)
-        return fields
-
-    def _restore(self, state: dict[str, Any], model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer) -> None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        if self.scaler.is_enabled() and state.get("scaler"):  # fp16 then and now
-            self.scaler.load_state_dict(state["scaler"])
-        self.position = Position(**state["position"])
-        self.resumed_from = state.get("source")
-        rngs = state["rng"]
-        if len(rngs) == self.world_size:
-            runtime.set_rng_state(rngs[self.engine.rank])
-        else:  # another world size: fresh, but still reproducible, per-rank streams
-            runtime.seed_all(hash((self.cfg.train.seed, self.engine.rank, self.position.step)))
+    def _restore(self, source: Any) -> None:
+        if self.job.restore(source) is None:
+            return
+        pos = self.position
+        self.resumed_from = self.job.resumed_from
         log.info("resumed at step %d (epoch %d, sample %d of its order)",
-                 self.position.step, self.position.epoch + 1, self.position.offset)
-        before = state.get("global_batch", self.global_batch)
+                 pos.step, epoch_number(pos.epoch), pos.offset)
+        before = pos.trained_with
         if before != self.global_batch:
             log.warning("the checkpoint was trained with global batch %d, this run has %d: "
                         "the steps now group other samples and the LR scales to the new batch; "
-                        "keep the global batch with train.accumulation to continue the same "
+                        "keep the global batch with train.global_batch to continue the same "
                         "run", before, self.global_batch)
-        elif len(rngs) != self.world_size:
-            log.info("%d workers now, %d before; global batch %d kept (%d x %d x %d): "
-                     "the same samples in the same steps", self.world_size, len(rngs),
-                     self.global_batch, self.cfg.train.batch_size, self.world_size,
-                     self.cfg.train.accumulation)

@@ -1,10 +1,28 @@
-"""The networks: the seed papers' models, CIFAR ResNets, and any torchvision model by name.
+"""The networks: the seed papers' models, CIFAR ResNets, any torchvision model by name,
+and your own.
 
 Every builder takes the model config, the input shape (C, H, W) and the number of
 classes, and returns logits; the softmax lives in the loss. None of them uses dropout,
 so N workers with batch b take exactly the steps one worker takes with N*b. Models
 with BatchNorm (the ResNets) normalise over each worker's batch unless
 ``engine.sync_bn=true``.
+
+Your own network: ``model._target_=mypkg.nets.build`` (mypkg importable: installed, or
+on PYTHONPATH on every host). hydra.utils.instantiate calls
+
+    build(**added, input_shape=(C, H, W), num_classes=N)
+
+where ``added`` are the keys you add to the model config (``+model.width=64``; plain
+Python values; a nested one with a ``_target_`` of its own is instantiated first), and
+input_shape and num_classes are the dataset's (a tuple of three ints, an int). The keys
+of the model option's schema (name, l1, and model=fast_convnet's channels...) are the
+trainer's and are not passed; ``model.l1`` still adds its penalty. It returns a
+torch.nn.Module whose forward takes a float batch N x C x H x W (in train.dtype; NHWC
+with train.channels_last) and returns logits N x num_classes. It is called on every rank
+before any process group exists, after torch and random are seeded with train.seed, so
+every rank builds the same weights; an import that fails, a call that raises, or
+anything but a module with parameters ends the run with exit code 2, naming the target.
+summary.json's "model" and "model_builder" then name the target.
 """
 
 from __future__ import annotations
@@ -16,7 +34,8 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from trainer.config import ModelName
+from spotring.exits import ConfigError
+from trainer.config import ModelName, describe, instantiate
 
 
 def _flat_size(features: nn.Module, shape: tuple[int, int, int]) -> int:
@@ -153,7 +172,19 @@ MODELS: dict[ModelName, Callable[[DictConfig, tuple[int, int, int], int], nn.Mod
 
 
 def build_model(cfg: DictConfig, shape: tuple[int, int, int], num_classes: int) -> nn.Module:
-    return MODELS[cfg.name](cfg, shape, num_classes)
+    """The zoo's network ``cfg.name``, or what ``cfg._target_`` builds (see above); the
+    caller seeds first. Raises ConfigError for a target that fails or returns anything
+    but a module with parameters."""
+    if cfg._target_ is None:
+        return MODELS[cfg.name](cfg, shape, num_classes)
+    model = instantiate("model", cfg, input_shape=tuple(shape), num_classes=num_classes)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model._target_={cfg._target_} returned {describe(model)}, not a "
+                          "torch.nn.Module")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(f"model._target_={cfg._target_} returned a {type(model).__name__} "
+                          "with no parameters to train")
+    return model
 
 
 def l1_penalty(model: nn.Module) -> torch.Tensor:

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from launch.aws.clients import client
 from launch.config import ssh_cidr_problem
-from trainer.config import ConfigError
+from spotring.exits import ConfigError
 
 # Error codes of a throttled call (AWS's services name it differently).
 THROTTLING = {"Throttling", "ThrottlingException", "RequestLimitExceeded",

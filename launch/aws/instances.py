@@ -13,7 +13,7 @@ import ipaddress
 from botocore.exceptions import ClientError
 
 from launch.provider import Node
-from trainer.polling import poll
+from spotring.polling import poll
 
 GONE = {"shutting-down", "terminated", "stopping", "stopped"}
 

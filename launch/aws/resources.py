@@ -26,7 +26,7 @@ from botocore.parsers import ResponseParserError
 from launch.aws import tags as tagging
 from launch.aws.tags import Tags
 from launch.provider import Teardown
-from trainer.polling import poll
+from spotring.polling import poll
 
 
 def create_key_pair(ec2, name: str, public_key: str, tags: Tags) -> None:

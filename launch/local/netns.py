@@ -20,7 +20,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from trainer.polling import poll
+from spotring.polling import poll
 
 NS_PREFIX = "spotring-"
 LINK_PREFIX = "spr"

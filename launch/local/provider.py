@@ -19,7 +19,7 @@ from launch.down import down_after
 from launch.local import netns, sshd
 from launch.provider import Node, Provider, Teardown
 from launch.rundir import RunDir
-from trainer.config import ConfigError
+from spotring.exits import ConfigError
 
 FIRST_HOST = 10  # node i is .10+i of the run's /24; .1 is this machine's bridge
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from launch.local import netns
 from launch.ssh import new_key
-from trainer.polling import poll
+from spotring.polling import poll
 
 SSHD = Path("/usr/sbin/sshd")
 

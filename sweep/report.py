@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.stores import write_atomic
+from spotring.stores import write_atomic
 
 REPORT = "sweep_report.md"
 HISTORY = "optimization_history.png"

@@ -1,6 +1,5 @@
 """spotring sweep: many trials at once, searched by Optuna; each trial a whole spotring
-training job on its own slice of this machine or of a cluster (also `python -m
-launch.sweep`).
+training job on its own slice of this machine or of a cluster (also `python -m sweep`).
 
     spotring sweep sweep=mnist_lr_wd sweep.parallel=2      the Bayesian LR + weight-decay
                                                            study, 2 trials at a time
@@ -18,7 +17,7 @@ Run the same command again to continue a sweep that stopped (Ctrl-C, a crash, a 
 machine): finished trials are kept, interrupted ones resume from their checkpoints.
 Everything goes to sweep.dir (runs/sweeps/NAME): study.journal (Optuna's), trials/NNN/
 (each trial's run directory), sweep_report.md with its plots, best_config.yaml.
-Keys: launch/sweep/config.py; the guide: docs/sweeps.md.
+Keys: sweep/config.py; the guide: docs/sweeps.md.
 
 Exit codes: 0 the study has its trials (failed ones included), 1 no trial completed or
 an error, 2 bad input (nothing was started), 75 stopped by a signal (run it again).
@@ -36,9 +35,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from launch.console import interrupt_on_termination, log_to, split_trainer_args
-from launch.sweep import config
-from trainer.config import ConfigError
-from trainer.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED
+from spotring.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, ConfigError
+from sweep import config
 
 log = logging.getLogger("launch")
 
@@ -70,8 +68,8 @@ def sweep(overrides: list[str], trainer_args: list[str], command: str) -> int:
     except ImportError as e:
         raise ConfigError(f"spotring sweep needs Optuna ({e}): pip install 'spotring[sweep]'"
                           ) from e
-    from launch.sweep.runner import Runner
-    from launch.sweep.study import Study
+    from sweep.runner import Runner
+    from sweep.study import Study
     from trainer.config import compose as compose_trainer
 
     plan = config.plan(overrides, trainer_args)
@@ -111,7 +109,7 @@ def sweep(overrides: list[str], trainer_args: list[str], command: str) -> int:
 
 
 def _slots(plan: config.Plan) -> list:
-    from launch.sweep import slots
+    from sweep import slots
 
     cfg = plan.cfg.sweep
     if cfg.slurm:

@@ -1,5 +1,7 @@
 """Sweeps: many trials at once, searched by Optuna (`spotring sweep`; __main__.py is the
-runbook, docs/sweeps.md the guide). Each concern a module of its own:
+runbook, docs/sweeps.md the guide). A client of launch/ (each trial a job started with
+its commands) and of benchmarks.plots (the report's plots); neither imports it
+(docs/design.md, "Packages"). Each concern a module of its own:
 
     config.py   the schema (conf/sweeper.yaml, conf/sweep/), the search space in Hydra's
                 grammar as Optuna distributions, every check before a trial starts

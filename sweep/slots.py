@@ -38,7 +38,7 @@ from launch.commands import local_command, local_environment
 from launch.provider import Node
 from launch.rundir import RunDir
 from launch.ssh import RemoteError, Ssh, on_each
-from trainer.config import ConfigError
+from spotring.exits import ConfigError
 
 # Seconds a trial gets to checkpoint and leave after SIGTERM before it is killed.
 STOP_GRACE_S = 60.0

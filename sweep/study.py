@@ -17,9 +17,9 @@ import optuna
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 
-from launch.sweep.config import Plan
-from trainer.config import ConfigError
-from trainer.stores import S3Store
+from spotring.exits import ConfigError
+from spotring.stores import S3Store
+from sweep.config import Plan
 
 JOURNAL = "study.journal"
 log = logging.getLogger("launch")

@@ -30,16 +30,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from trainer.engines.base import Engine
-from trainer.engines.mpi import MPISums, sum_hook
-from trainer.exits import exit_peer_lost
-from trainer.polling import poll
-from trainer.runtime import Launch, outward_address, slurm_master_addr
+from spotring.engines.base import Engine
+from spotring.engines.mpi import MPISums, sum_hook
+from spotring.exits import exit_peer_lost
+from spotring.polling import poll
+from spotring.runtime import Launch, outward_address, slurm_master_addr
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +127,7 @@ def _horovodrun_rendezvous(launch: Launch, timeout: timedelta) -> dist.Store:
     return _tcp_store(*_split(address), launch, False, timeout)
 
 
-def backend_of(cfg: DictConfig, device: torch.device) -> str:
+def backend_of(cfg: Any, device: torch.device) -> str:
     """The transport engine.backend names: auto is NCCL on GPUs, Gloo on CPUs."""
     if cfg.backend == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
@@ -143,7 +142,7 @@ class SingleProcess(Engine):
 
     name = "ddp"
 
-    def __init__(self, cfg: DictConfig, launch: Launch, device: torch.device) -> None:
+    def __init__(self, cfg: Any, launch: Launch, device: torch.device) -> None:
         self.rank, self.world_size, self.local_rank = 0, 1, launch.local_rank
         self.device, self.backend = device, backend_of(cfg, device)
 
@@ -167,7 +166,7 @@ class SingleProcess(Engine):
 class DDPEngine(Engine):
     name = "ddp"
 
-    def __init__(self, cfg: DictConfig, launch: Launch, device: torch.device) -> None:
+    def __init__(self, cfg: Any, launch: Launch, device: torch.device) -> None:
         self.cfg = cfg
         self.rank, self.world_size = launch.rank, launch.world_size
         self.local_rank, self.device = launch.local_rank, device

@@ -36,9 +36,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig
 
-from trainer.engines import Engine
+from spotring.checkpoint import Checkpoints, Saved
+from spotring.engines import Engine
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +52,6 @@ _PROBES = 3  # first requests before deciding there is no metadata service
 # How long close() waits for the watcher: a poll in flight is up to three requests
 # (token, notice, rebalance) of Metadata's 1 s timeout.
 _CLOSE_SECONDS = 3.5
-
-
-class Preempted(Exception):
-    """Raised by the loop once every rank agreed to stop and the checkpoint is written."""
-
-    def __init__(self, reason: str, step: int, checkpoint: str,
-                 timing: dict[str, float] | None = None) -> None:
-        super().__init__(f"preempted ({reason}) at step {step}; checkpoint {checkpoint}")
-        self.reason, self.step, self.checkpoint = reason, step, checkpoint
-        self.timing = timing or {}  # rank 0's notice and save times, for preempted.json
 
 
 @dataclass
@@ -107,7 +97,7 @@ class Metadata:
 class Preemption:
     """This rank's watcher, and the step-boundary vote of all ranks."""
 
-    def __init__(self, cfg: DictConfig, engine: Engine, local_rank: int) -> None:
+    def __init__(self, cfg, engine: Engine, local_rank: int) -> None:
         self.cfg, self.engine = cfg, engine
         self._stop: str | None = None
         # time.time() when a stop first reached this rank: its own notice or signal, or
@@ -199,9 +189,46 @@ class Preemption:
         exit, its thread would drop the last reference to this object, whose pending
         votes hold a tensor: freeing it there aborts the process ("terminate called
         without an active exception") after a run that succeeded, about once in 50
-        single-process runs on a busy host."""
+        single-process runs on a busy host. The signal handlers stay: restore_signals."""
         self._closed.set()
         if self._thread is not None:
             self._thread.join(_CLOSE_SECONDS)
+
+    def restore_signals(self) -> None:
+        """Give SIGTERM and SIGUSR1 back their handlers from before this object, once the
+        job's failure path has ended (a lost rank's roll call, the engine's shutdown).
+        Until then a signal only sets the stop flag: torchrun answers a dead worker by
+        sending SIGTERM to the others while they name it (DDPEngine.describe_failure, up
+        to 5 s), and with the default handler back they would die of it, silent (-15),
+        instead of exiting 69 with the lost rank named."""
         for signum, handler in self._previous_handlers.items():
             signal.signal(signum, handler)
+
+
+def notice_budget(saved: Saved, checkpoints: Checkpoints, reason: str, step: int,
+                  noticed_at: float) -> dict[str, float]:
+    """Rank 0: how long the checkpoint a run stops with took after the notice (or signal)
+    reached this process, against EC2's NOTICE_SECONDS. Logs one line and returns
+    preempted.json's fields (epoch seconds; noticed_at <= local_saved_at <= saved_at, a
+    time clamped to noticed_at where that checkpoint was already written when the notice
+    came):
+
+        noticed_at       the notice or signal reached rank 0 (or the others' vote did)
+        local_saved_at   the checkpoint complete in the checkpoint directory
+        saved_at         complete and read back on every store (S3 too)
+        upload_seconds, upload_bytes   the S3 store's share (with a checkpoint uri)
+    """
+    fields = {"noticed_at": noticed_at,
+              "local_saved_at": max(saved.done_at[checkpoints.local.where], noticed_at),
+              "saved_at": max(saved.complete_at, noticed_at)}
+    if checkpoints.remote is not None:
+        fields |= {"upload_seconds": saved.seconds[checkpoints.remote.where],
+                   "upload_bytes": saved.bytes}
+    spent = fields["saved_at"] - noticed_at
+    # Past the notice the instance is gone, and so is a checkpoint not yet uploaded.
+    log.log(logging.INFO if spent <= NOTICE_SECONDS else logging.WARNING,
+            "notice budget (%s): checkpoint of step %d, %s; notice to the local copy "
+            "%.2f s, to every store and read back %.2f s: %.2f s left of EC2's %d s",
+            reason, step, saved.describe(), fields["local_saved_at"] - noticed_at, spent,
+            NOTICE_SECONDS - spent, NOTICE_SECONDS)
+    return fields

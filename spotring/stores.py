@@ -4,7 +4,8 @@ Both stores make each object complete-or-invisible on its own: the directory wri
 a temporary file and renames it; S3 shows an object only once its (multipart) upload
 completed, so an upload cut off midway leaves nothing a reader can list. Ordering the
 writes (checkpoint first, manifest last; see checkpoint.py) makes a whole checkpoint
-complete-or-invisible on top of that.
+complete-or-invisible on top of that. The temporary file of a writer killed mid-write
+stays until the directory's next completed write removes it (DirectoryStore.write).
 
     checkpoint.dir=PATH                     always: rank 0's local copies
     checkpoint.uri=s3://bucket/prefix       also: every checkpoint uploaded, so a new
@@ -17,16 +18,20 @@ moto server on 127.0.0.1).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import re
 import secrets
 from pathlib import Path
 from urllib.parse import urlparse
 
-from trainer.config import ConfigError
+from spotring.exits import ConfigError
 
 # Large checkpoints go up in parts of this size, several at a time.
 PART_BYTES = 16 * 1024 * 1024
+# write_atomic's temporary files, beside their object: ".NAME.PID.HEX.tmp".
+_TEMPORARY = re.compile(r"^\..+\.\d+\.[0-9a-f]{8}\.tmp$")
 
 
 class DirectoryStore:
@@ -46,7 +51,31 @@ class DirectoryStore:
         return (self.path / name).stat().st_size
 
     def write(self, name: str, data: bytes) -> None:
-        write_atomic(self.path / name, data)
+        """Write ``name`` whole (write_atomic), then remove the temporary files of writes
+        that will never complete (_remove_abandoned)."""
+        path = self.path / name
+        write_atomic(path, data)
+        self._remove_abandoned(path.stat().st_mtime_ns)
+
+    def _remove_abandoned(self, completed_ns: int) -> None:
+        """Delete write_atomic's temporary files last modified before ``completed_ns``, the
+        time of an object this store has just completed. A writer killed mid-write (SIGKILL,
+        a spot instance taken) leaves its temporary file behind, names() never lists it, and
+        on a fleet that is killed often the disk would fill with them.
+
+        The rule: a directory has one writer at a time (checkpoint.dir: rank 0 of the run,
+        or of the run restarted after it), which completes one write before it begins the
+        next; so a temporary file older than an object completed since was begun by a
+        writer that is gone. It holds on a directory shared by hosts (NFS, a SLURM job
+        requeued on another node), where the pid in the name says nothing of another
+        host's processes, and the times are the file server's. A second live writer, which
+        this rule does not expect, loses its temporary file: its rename fails loudly, and
+        no reader ever sees part of an object."""
+        for path in self.path.iterdir():
+            if _TEMPORARY.match(path.name):
+                with contextlib.suppress(FileNotFoundError):  # gone meanwhile
+                    if path.stat().st_mtime_ns < completed_ns:
+                        path.unlink()
 
     def delete(self, name: str) -> None:
         (self.path / name).unlink(missing_ok=True)
@@ -60,7 +89,7 @@ class S3Store:
         import boto3
         from boto3.s3.transfer import TransferConfig
 
-        from trainer.aws import retries
+        from spotring.aws import retries
 
         parsed = urlparse(uri)
         if parsed.scheme != "s3" or not parsed.netloc:
@@ -116,7 +145,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the new one, whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
     # A name of our own, opened exclusively: unlike mkstemp's 0600, the file gets the
-    # permissions of any other file the user writes (the umask's).
+    # permissions of any other file the user writes (the umask's). Keep it a _TEMPORARY.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         with open(tmp, "xb") as f:

@@ -1,4 +1,4 @@
-"""The interface every engine implements (trainer/engines/__init__.py says how the loop
+"""The interface every engine implements (spotring/engines/__init__.py says how the loop
 uses it); ddp.py and horovod.py implement it."""
 
 from __future__ import annotations

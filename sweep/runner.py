@@ -8,9 +8,12 @@ processes printed). How a trial ends decides what the study records:
     summary.json written          complete, with the objectives read from it
     the pruner stopped it         pruned (at its last reported evaluation)
     diverged.json (exit 65)       failed: the loss became NaN or infinite
-    exit 2                        failed: the trainer refused its configuration
+    bad input (exit 2)            failed: the trainer refused its configuration
     anything else (killed,        resumed from its own checkpoint, in the same run
     preempted, a rank lost)       directory, up to sweep.max_retries times; then failed
+
+The exit is read by spotring.exits.classify; a divergence by its note, which rank 0
+leaves whatever the launcher (torchrun exits 1) makes of the trainer's exit 65.
 
 A slot is free again the moment its trial ends. Trials the study holds as running when
 the sweep starts (a sweep that was stopped or killed) resume first; finished ones are
@@ -33,12 +36,12 @@ from omegaconf import OmegaConf
 from optuna.trial import TrialState
 
 from launch.job_command import NOTES
-from launch.sweep import report
-from launch.sweep.config import PRUNABLE, Plan
-from launch.sweep.slots import TRIAL_LOG, Attempt, Slot
-from launch.sweep.study import Study
-from trainer.exits import DIVERGED, EXIT_CONFIG
-from trainer.stores import write_atomic
+from spotring.exits import DIVERGED, Outcome, classify
+from spotring.stores import write_atomic
+from sweep import report
+from sweep.config import PRUNABLE, Plan
+from sweep.slots import TRIAL_LOG, Attempt, Slot
+from sweep.study import Study
 
 log = logging.getLogger("launch")
 POLL_S = 1.0  # how often trials are checked for their end and new evaluations
@@ -195,7 +198,7 @@ class Runner:
         elif diverged is not None:
             self._tell(running, f"diverged at step {diverged['step']} (loss "
                                 f"{diverged['loss']})", state=TrialState.FAIL)
-        elif code == EXIT_CONFIG:
+        elif classify(code) is Outcome.BAD_INPUT:
             self._tell(running, f"the trainer refused its configuration (see "
                                 f"{trial_dir / TRIAL_LOG})", state=TrialState.FAIL)
         elif restarts < sweep.max_retries:

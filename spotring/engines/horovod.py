@@ -14,20 +14,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 from torch.optim import Optimizer
 
-from trainer.config import ConfigError
-from trainer.engines.base import Engine
-from trainer.runtime import Launch
+from spotring.engines.base import Engine
+from spotring.exits import ConfigError
+from spotring.runtime import Launch
 
 BUILD_HINT = (
     "Build it against this environment's torch with `make horovod` (about 5 minutes; "
     "the wheel is cached, see docs/horovod.md), or use engine=ddp.")
 
 
-def require_horovod(cfg: DictConfig, launch: Launch) -> None:
+def require_horovod(cfg: Any, launch: Launch) -> None:
     """Fail before anything starts when Horovod cannot run this job: not importable, or
     asked for its Gloo operations under mpirun. Those need its Gloo controller, which
     only horovodrun --gloo starts; without one Horovod 0.28 segfaults."""
@@ -47,7 +46,7 @@ class HorovodEngine(Engine):
     name = "horovod"
     contiguous_only = True  # its broadcasts and allreduces refuse channels_last tensors
 
-    def __init__(self, cfg: DictConfig, launch: Launch, device: torch.device) -> None:
+    def __init__(self, cfg: Any, launch: Launch, device: torch.device) -> None:
         import horovod.torch as hvd
 
         self.cfg, self.hvd, self.device = cfg, hvd, device

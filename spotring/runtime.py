@@ -95,7 +95,7 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
     if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        from trainer.config import ConfigError
+        from spotring.exits import ConfigError
 
         raise ConfigError("train.device=cuda, but torch sees no GPU on this machine; "
                           "use train.device=auto or cpu")

@@ -6,6 +6,15 @@
                            steps), kind=epoch, kind=test
     stderr                 a tqdm progress bar (telemetry.progress): redrawn in place on a
                            terminal; in a log, a plain line every LOG_LINE_SECONDS
+
+Epochs are counted from 1 wherever a user reads one: epoch N is the N-th pass over the
+training set, N = 1 .. train.epochs, in metrics.jsonl's "epoch" (train records: the epoch
+in progress; epoch records: the epoch just ended), on TensorBoard's axis of epoch/*, on the
+progress bar and in the log ("resumed at step 40 (epoch 2, ...)"). A test record's
+"epochs" counts epochs done (steps / steps per epoch), so epoch N ends at epochs = N. The
+methods here take the 0-based index that seeds the epoch's order and that checkpoints
+store (the loop's Position.epoch, the sampler's epoch); epoch_number is the one place it
+becomes the number shown.
 """
 
 from __future__ import annotations
@@ -26,6 +35,11 @@ log = logging.getLogger(__name__)
 
 # Where stderr is not a terminal (CI, a file, a launcher's pipe): a line this often.
 LOG_LINE_SECONDS = 30.0
+
+
+def epoch_number(index: int) -> int:
+    """The epoch a user reads for a 0-based epoch index: counted from 1."""
+    return index + 1
 
 
 class _Lines(io.TextIOBase):
@@ -100,24 +114,28 @@ class Telemetry:
 
     def train(self, step: int, epoch: int, lr: float, loss: float, accuracy: float,
               images_per_second: float) -> None:
+        """The metrics since the last train record; ``epoch``: the index in progress."""
         if not self.enabled:
             return
         self._write_lrs()
         for name, value in (("loss", loss), ("accuracy", accuracy),
                             ("images_per_second", images_per_second)):
             self.writer.add_scalar(f"train/{name}", value, step)
-        self._record(kind="train", step=step, epoch=epoch, lr=lr, loss=loss,
+        number = epoch_number(epoch)
+        self._record(kind="train", step=step, epoch=number, lr=lr, loss=loss,
                      accuracy=accuracy, images_per_second=images_per_second)
         if self.progress:
-            self.progress.describe(f"epoch {epoch + 1} loss {loss:.4f} lr {lr:.4g} "
+            self.progress.describe(f"epoch {number} loss {loss:.4f} lr {lr:.4g} "
                                    f"{images_per_second:.0f} img/s")
 
     def epoch(self, step: int, epoch: int, seconds: float, images_per_second: float) -> None:
+        """The epoch of index ``epoch`` has ended at ``step``."""
         if not self.enabled:
             return
-        self.writer.add_scalar("epoch/seconds", seconds, epoch + 1)
-        self.writer.add_scalar("epoch/images_per_second", images_per_second, epoch + 1)
-        self._record(kind="epoch", step=step, epoch=epoch, seconds=seconds,
+        number = epoch_number(epoch)
+        self.writer.add_scalar("epoch/seconds", seconds, number)
+        self.writer.add_scalar("epoch/images_per_second", images_per_second, number)
+        self._record(kind="epoch", step=step, epoch=number, seconds=seconds,
                      images_per_second=images_per_second)
 
     def test(self, step: int, epochs: float, train_seconds: float, loss: float,
@@ -131,11 +149,25 @@ class Telemetry:
         log.info("step %d (%.2f epochs): test accuracy %.2f%%, loss %.4f",
                  step, epochs, 100 * accuracy, loss)
 
+    def record(self, kind: str, step: int, epoch: int | None = None,
+               **scalars: float) -> None:
+        """One record of any ``kind`` (a user script's metrics): the scalars in TensorBoard
+        as kind/name at ``step``, and in metrics.jsonl with kind, step and the epoch
+        (``epoch``: the index in progress, shown counted from 1)."""
+        if not self.enabled:
+            return
+        for name, value in scalars.items():
+            self.writer.add_scalar(f"{kind}/{name}", value, step)
+        where = {} if epoch is None else {"epoch": epoch_number(epoch)}
+        self._record(kind=kind, step=step, **where, **scalars)
+
     def _record(self, **fields: Any) -> None:
         self.metrics.write(json.dumps({"time": round(time.time(), 3), **fields}) + "\n")
 
     def close(self) -> None:
+        """Flush and close; a second call does nothing."""
         if self.enabled:
+            self.enabled = False
             if self.progress:
                 self.progress.close()
             self._write_lrs()

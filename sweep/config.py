@@ -25,8 +25,9 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
+from spotring.exits import ConfigError
 from trainer import config as trainer_config
-from trainer.config import ConfigError, choices, compose_checked, one_of
+from trainer.config import choices, compose_checked, one_of
 
 SamplerName = choices("SamplerName", "auto grid random tpe nsga2")
 PrunerName = choices("PrunerName", "none median hyperband")

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from trainer.config import ConfigError
-from trainer.stores import DirectoryStore, S3Store
+from spotring.exits import ConfigError
+from spotring.stores import DirectoryStore, S3Store
 
 log = logging.getLogger(__name__)
 

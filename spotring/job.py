@@ -1,0 +1,511 @@
+"""spotring in a user's own training script: join, wrap, sample, checkpoint, stop.
+
+    import spotring
+
+    with spotring.init() as job:                  # rank, device, process group
+        loader = job.loader(dataset, global_batch=256, num_workers=2)
+        model, optimizer = job.wrap(model, optimizer)
+        job.track(model=model, optimizer=optimizer, loader=loader)
+        job.restore()                             # the newest valid checkpoint, if any
+        for epoch in range(loader.epoch, epochs):
+            loader.set_epoch(epoch)
+            for x, y in loader:
+                loss = criterion(model(x.to(job.device)), y.to(job.device))
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                if job.should_stop():             # a notice or signal on any rank
+                    job.save_and_exit()           # checkpoint, exit 75
+            job.save()
+        job.finish(test_accuracy=accuracy)        # summary.json
+
+The contract (docs/api.md):
+
+- ``init`` reads the launcher's environment (torchrun, horovodrun, mpirun, srun, or
+  none: one process), pins the local rank's GPU, and joins the process group (DDP over
+  NCCL, Gloo or MPI) or Horovod, with ``timeout_s`` on every collective. Bad input
+  (an engine that cannot run here) exits 2 before anything starts.
+- ``loader`` (spotring.DataLoader): global batch i of an epoch is the same samples for
+  any number of workers; its position is part of every checkpoint.
+- ``should_stop`` is a collective: every rank calls it once per step, and it is true
+  on every rank at the same step once any rank saw SIGTERM, SIGUSR1 or an EC2 spot
+  notice. ``save_and_exit`` writes a checkpoint and exits 75.
+- Inside ``with``: a lost or hung rank ends the others with 69, naming it; a
+  ``check_finite`` that failed ends every rank with 65; ConfigError with 2.
+- Only rank 0 writes: checkpoints, metrics.jsonl, TensorBoard and summary.json in
+  ``run_dir``.
+
+Exit codes: spotring/exits.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from spotring import engines, runtime
+from spotring.checkpoint import Checkpoint, Checkpoints, Saved, find_resume
+from spotring.exits import (
+    DIVERGED,
+    EXIT_CONFIG,
+    EXIT_DIVERGED,
+    EXIT_PREEMPTED,
+    PREEMPTED,
+    ConfigError,
+    Diverged,
+    exit_peer_lost,
+    report_bad_input,
+)
+from spotring.loader import DataLoader
+from spotring.preemption import Preemption, notice_budget
+from spotring.stores import write_atomic
+from spotring.telemetry import Telemetry
+
+log = logging.getLogger("spotring")
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_POSITION = ("epoch", "offset", "global_batch", "steps_per_epoch")
+
+
+def init(*, engine: str = "ddp", backend: str = "auto", device: str = "auto",
+         timeout_s: float = 300.0, run_dir: str | os.PathLike | None = None,
+         checkpoint_dir: str | os.PathLike | None = None, checkpoint_uri: str | None = None,
+         keep: int = 3, threads: int | None = None, seed: int = 0,
+         imds: bool = True, check_every_steps: int = 1, bucket_mb: float = 25.0,
+         sync_bn: bool = False, compression: str = "none") -> Job:
+    """Join the job this process was started in; see the module docstring.
+
+    run_dir: where rank 0 writes metrics.jsonl, tensorboard/, summary.json and the notes
+        of why it stopped; default $SPOTRING_RUN_DIR (set by spotring's launchers), else
+        ./runs/<script name>.
+    checkpoint_dir: default run_dir/checkpoints. checkpoint_uri: s3://bucket/prefix to
+        upload every checkpoint to as well; default $SPOTRING_CHECKPOINT_URI.
+    seed: seeds torch and random the same on every rank (the same initial weights);
+        after ``wrap`` every rank gets its own stream.
+    check_every_steps: how often ``should_stop`` votes (one small allreduce each time,
+        about 1 ms on Gloo: a few percent of a fast CPU step, nothing beside a GPU step).
+    """
+    launch = runtime.detect()
+    options = SimpleNamespace(name=engine, backend=backend, timeout_s=timeout_s,
+                              bucket_mb=bucket_mb, sync_bn=sync_bn, compression=compression,
+                              op="average", timeline=None)
+    try:
+        _check_choice("engine", engine, ("ddp", "horovod"))
+        _check_choice("backend", backend, ("auto", "nccl", "gloo", "mpi"))
+        _check_choice("device", device, ("auto", "cpu", "cuda"))
+        _check_choice("compression", compression, ("none", "fp16"))
+        if check_every_steps < 1:
+            raise ConfigError(f"check_every_steps={check_every_steps}: must be 1 or more")
+        torch_device = runtime.pick_device(device, launch.local_rank)
+        engines.check(options, launch, torch_device)
+        run_dir = Path(run_dir or os.environ.get("SPOTRING_RUN_DIR")
+                       or Path("runs") / Path(sys.argv[0]).stem).absolute()
+        checkpoints = Checkpoints(checkpoint_dir or run_dir / "checkpoints", keep,
+                                  checkpoint_uri or os.environ.get("SPOTRING_CHECKPOINT_URI"))
+        if checkpoints.remote is not None and launch.rank == 0:
+            checkpoints.remote.check_access()
+    except ConfigError as e:
+        report_bad_input(e, launch.rank, launch.world_size)
+        sys.exit(EXIT_CONFIG)
+    runtime.set_threads(threads, launch.local_world_size)
+    runtime.seed_all(seed)
+    notices = SimpleNamespace(imds=imds, poll_seconds=5.0, check_every_steps=check_every_steps)
+    return Job(launch, options, torch_device, run_dir, checkpoints, notices, seed)
+
+
+def _check_choice(name: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(valid)}")
+
+
+class Job:
+    """This process's part of a data-parallel job. Users get one from ``init``, which
+    checks its input first; the built-in trainer makes its own from its config.
+
+    engine: the engine's options (spotring/engines/__init__.py); notices: imds,
+    poll_seconds, check_every_steps (spotring/preemption.py)."""
+
+    def __init__(self, launch: runtime.Launch, engine: Any, device: torch.device,
+                 run_dir: Path, checkpoints: Checkpoints, notices: Any, seed: int) -> None:
+        self.launch, self.run_dir, self.checkpoints = launch, run_dir, checkpoints
+        self.seed = seed
+        self.engine = engines.create(engine, launch, device)
+        self.rank, self.world_size = self.engine.rank, self.engine.world_size
+        self.local_rank, self.device = self.engine.local_rank, device
+        self.preemption = Preemption(notices, self.engine, self.local_rank)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=False)
+        self.precision = "fp32"
+        self._tracked: dict[str, Any] = {}
+        self._annotations: dict[str, Any] = {}
+        self._loader: DataLoader | None = None
+        self._model: nn.Module | None = None  # the wrapped model, for no_sync
+        self._steps = 0  # optimizer steps, where no loader is tracked
+        self._started = time.perf_counter()
+        self._start_step = 0
+        self._saved: Saved | None = None
+        self.saved_step: int | None = None  # the step of the newest checkpoint written
+        self.resumed_from: str | None = None  # the checkpoint restore() loaded
+        self._telemetry: Telemetry | None = None
+        self._stop_reason: str | None = None
+        self._closed = False
+
+    @property
+    def telemetry(self) -> Telemetry:
+        """Where ``log`` writes (rank 0): metrics.jsonl and TensorBoard in run_dir. The
+        built-in trainer puts its own here, with a progress bar."""
+        if self._telemetry is None:
+            self._telemetry = Telemetry(self.run_dir, self.is_main, progress=False,
+                                        total_steps=0, done_steps=0)
+        return self._telemetry
+
+    @telemetry.setter
+    def telemetry(self, telemetry: Telemetry) -> None:
+        self._telemetry = telemetry
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one process that writes files."""
+        return self.rank == 0
+
+    # ----------------------------------------------------------------- data and model
+
+    def loader(self, dataset, global_batch: int, *, batch_size: int | None = None,
+               seed: int | None = None, **dataloader_kwargs) -> DataLoader:
+        """A spotring.DataLoader over ``dataset`` for this rank: this rank's share of every
+        global batch (``batch_size`` caps the per-worker micro-batch; the rest is
+        accumulation). Keyword arguments go to torch's DataLoader (num_workers,
+        pin_memory, persistent_workers, collate_fn, ...)."""
+        loader = DataLoader(dataset, global_batch, batch_size=batch_size,
+                            seed=self.seed if seed is None else seed, rank=self.rank,
+                            world_size=self.world_size,
+                            pin_memory=self.device.type == "cuda", **dataloader_kwargs)
+        self._loader = loader
+        return loader
+
+    def wrap(self, model: nn.Module, optimizer: Optimizer, *, precision: str = "fp32",
+             channels_last: bool = False, compile: bool = False,
+             accumulation: int | None = None) -> tuple[nn.Module, Optimizer]:
+        """The model on this rank's device, every rank starting from rank 0's weights and
+        optimizer state, gradients averaged over all ranks: DDP (buckets overlapping
+        backward) or Horovod's DistributedOptimizer.
+
+        precision: fp32, bf16, fp16 (autocast in ``autocast()``; fp16 with a gradient
+            scaler, which ``backward`` and ``step`` apply), or auto (bf16 where the device
+            computes it natively). channels_last: the model in NHWC. compile:
+            torch.compile before the engine wraps it. accumulation: micro-batches per
+            step; default the loader's."""
+        if precision not in PRECISIONS:
+            raise ConfigError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+        self.precision = runtime.pick_precision(precision, self.device, "float32")
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        model = model.to(self.device)
+        if channels_last and not self.engine.contiguous_only:
+            model = model.to(memory_format=torch.channels_last)
+        if compile:
+            model = torch.compile(model)
+        k = accumulation or (self._loader.accumulation if self._loader else 1)
+        model, optimizer = self.engine.prepare(model, optimizer, k)
+        # From here on every rank draws its own random numbers (dropout, augmentation).
+        runtime.seed_all(hash((self.seed, self.rank)))
+        self._model = model
+        return model, optimizer
+
+    @staticmethod
+    def unwrap(model: nn.Module) -> nn.Module:
+        """The plain module under ``wrap``'s DDP and torch.compile wrappers: what to save
+        or evaluate outside the job (its state_dict has no "module." prefixes)."""
+        return unwrap(model)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """torch.autocast for the forward pass and loss at ``wrap``'s precision."""
+        if self.precision in _AUTOCAST:
+            return torch.autocast(self.device.type, dtype=_AUTOCAST[self.precision])
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def micro_step(self):
+        """Around forward and ``backward`` of one micro-batch: gradients are only
+        accumulated (no allreduce) except on the last micro-batch of a global batch, and
+        the forward pass runs under ``autocast``. Needed where the loader accumulates
+        (loader.accumulation > 1); harmless otherwise."""
+        last = self._loader is None or self._loader.is_step_boundary
+        with (contextlib.nullcontext() if last or self._model is None
+              else self.engine.no_sync(self._model)), self.autocast():
+            yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward() for one micro-batch, divided by the accumulation (the step
+        averages over the whole global batch) and scaled for fp16."""
+        k = self._loader.accumulation if self._loader else 1
+        self.scaler.scale(loss * (self.engine.loss_scale / k)).backward()
+
+    def step(self, optimizer: Optimizer) -> bool:
+        """After ``backward``: at the end of a global batch, the optimizer step on the
+        averaged gradients (unscaled, skipped where fp16 overflowed) and zero_grad; True
+        then, False on the micro-batches before."""
+        if self._loader is not None and not self._loader.is_step_boundary:
+            return False
+        self.engine.step(optimizer, self.scaler)
+        optimizer.zero_grad()
+        return True
+
+    # ----------------------------------------------------------------------- collectives
+
+    def all_reduce(self, value: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
+        """``value`` summed (op="sum") or averaged (op="mean") over all ranks; a
+        collective."""
+        tensor = torch.as_tensor(value, dtype=torch.float64, device=self.device).clone()
+        self.engine.all_reduce_sum(tensor, "user")
+        return tensor / self.world_size if op == "mean" else tensor
+
+    def check_finite(self, loss: torch.Tensor | float) -> None:
+        """Raise Diverged on every rank (exit 65 inside ``with``) when ``loss`` is NaN or
+        infinite on any rank; a collective."""
+        total = float(self.all_reduce(float(loss), "sum"))
+        if not torch.isfinite(torch.tensor(total)):
+            raise Diverged(self.step_count, total)
+
+    # -------------------------------------------------------------------- checkpoints
+
+    def track(self, **state: Any) -> None:
+        """What every checkpoint holds, by name: objects with state_dict() and
+        load_state_dict() (model, optimizer, scheduler, GradScaler, spotring.DataLoader)
+        or plain dicts (restored in place). A wrapped or compiled model is saved as
+        the plain module, so checkpoints load in any world size or engine."""
+        self._tracked.update(state)
+
+    def annotate(self, **fields: Any) -> None:
+        """Fields every checkpoint's manifest carries from now on (JSON values: what the
+        run trains, for whoever resumes it to check)."""
+        self._annotations.update(fields)
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken: from the tracked loader's position (the same on every
+        world size), else the calls of ``should_stop``."""
+        loader = self._tracked_loader()
+        if loader is None:
+            return self._steps
+        if hasattr(loader, "step"):  # a position that counts its steps itself
+            return loader.step
+        return loader.epoch * loader.steps_per_epoch + loader.offset // loader.global_batch
+
+    def save(self) -> str:
+        """Checkpoint the tracked state (every rank calls it; rank 0 writes): complete and
+        read back on disk and S3 before it returns, the oldest beyond ``keep`` dropped.
+        Returns where rank 0 wrote it. Raises Diverged where a tracked model's weights
+        are not finite: never a checkpoint to resume a diverged run from."""
+        step = self.step_count
+        for obj in self._tracked.values():
+            # The ranks hold the same weights, so each comes to the same answer.
+            if isinstance(obj, nn.Module) and not all(
+                    bool(torch.isfinite(p).all()) for p in obj.parameters()):
+                raise Diverged(step, float("nan"), "weights")
+        rngs = self.engine.all_gather_object(runtime.rng_state())
+        if self.is_main:
+            state = {name: _state_of(obj) for name, obj in self._tracked.items()}
+            state["spotring"] = {"step": step, "rng": rngs, "world_size": self.world_size,
+                                 "scaler": self.scaler.state_dict()}
+            loader = self._tracked_loader()
+            meta = {"step": step, "world_size": self.world_size, **self._annotations}
+            if loader is not None:
+                meta |= {"epoch": loader.epoch, "offset": loader.offset,
+                         "global_batch": loader.global_batch}
+            self._saved = self.checkpoints.save(state, meta)
+            log.info("checkpoint %s, %s", self._saved.location, self._saved.describe())
+        self.saved_step = step
+        return self._saved.location if self._saved else "(written by rank 0)"
+
+    def restore(self, source: str | Checkpoint | None = "auto") -> int | None:
+        """Load a checkpoint into the tracked objects, on any world size; returns its step,
+        or None where there is none (a fresh start). Every rank calls it; rank 0 reads and
+        verifies, the others get its copy.
+
+        source (rank 0's counts): "auto", the newest valid checkpoint of checkpoint_dir and
+        checkpoint_uri; "never", none (ConfigError where checkpoints exist, which new ones
+        would mix with); the path of a .pt; or a Checkpoint already found (None: none)."""
+        found = None
+        if self.is_main:
+            checkpoint = (find_resume(source, self.checkpoints) if isinstance(source, str)
+                          else source)
+            found = None if checkpoint is None else checkpoint.load() | {
+                "source": checkpoint.location}
+        found = self.engine.broadcast_object(found)
+        if found is None:
+            return None
+        for name, obj in self._tracked.items():
+            if name not in found:
+                raise ConfigError(f"the checkpoint {found['source']} holds no {name!r} "
+                                  f"(it holds {', '.join(k for k in found if k != 'source')})")
+            _load_state(obj, found[name])
+        meta = found["spotring"]
+        if self.scaler.is_enabled() and meta.get("scaler"):
+            self.scaler.load_state_dict(meta["scaler"])
+        if len(meta["rng"]) == self.world_size:
+            runtime.set_rng_state(meta["rng"][self.rank])
+        else:  # another world size: fresh, reproducible per-rank streams
+            runtime.seed_all(hash((self.seed, self.rank, meta["step"])))
+        self._steps = self._start_step = self.saved_step = meta["step"]
+        self.resumed_from = found["source"]
+        log.info("resumed from %s at step %d (%d workers then, %d now)", found["source"],
+                 meta["step"], meta["world_size"], self.world_size)
+        return meta["step"]
+
+    def _tracked_loader(self) -> Any:
+        """The tracked object that knows where in the data the run stands: a
+        spotring.DataLoader, or another with the same position (epoch, offset,
+        global_batch, steps_per_epoch), as the trainer's in-memory batches."""
+        return next((o for o in self._tracked.values()
+                     if all(hasattr(o, a) for a in _POSITION)), None)
+
+    # ---------------------------------------------------------------------------- stop
+
+    def should_stop(self) -> bool:
+        """True on every rank at the same step once any rank saw SIGTERM, SIGUSR1 or the
+        EC2 spot notice (a collective: every rank calls it once per optimizer step). A
+        rebalance recommendation checkpoints here and goes on."""
+        self._steps += 1
+        decision = self.preemption.decide()
+        if decision.checkpoint and self.saved_step != self.step_count:
+            self.save()
+        self._stop_reason = decision.stop
+        return decision.stop is not None
+
+    def save_and_exit(self) -> None:
+        """Checkpoint (unless this step's is written), leave preempted.json in run_dir
+        with the notice budget's times, and exit 75: run the same command again to
+        continue."""
+        if self.saved_step != self.step_count:
+            self.save()
+        reason = self._stop_reason or "stop requested"
+        if self.is_main:
+            timing = notice_budget(self._saved, self.checkpoints, reason, self.step_count,
+                                   self.preemption.noticed_at or time.time())
+            write_atomic(self.run_dir / PREEMPTED, json.dumps(
+                {"reason": reason, "step": self.step_count,
+                 "checkpoint": self._saved.location, **timing}).encode())
+        log.warning("preempted (%s) at step %d; exit %d: run the same command again to "
+                    "continue", reason, self.step_count, EXIT_PREEMPTED)
+        self.close()
+        sys.exit(EXIT_PREEMPTED)
+
+    # ------------------------------------------------------------------------- metrics
+
+    def log(self, kind: str = "train", step: int | None = None, **scalars: float) -> None:
+        """Rank 0: one record of metrics.jsonl ({"kind", "step", "epoch", ...scalars}) and
+        the same scalars in TensorBoard as ``kind/name``. kind="test" records are what
+        ``spotring sweep`` prunes on (``accuracy``, ``loss``). Values are rank 0's own;
+        average them first with ``all_reduce`` where they differ by rank."""
+        if not self.is_main:
+            return
+        step = self.step_count if step is None else step
+        loader = self._tracked_loader() or self._loader
+        self.telemetry.record(kind, step, None if loader is None else loader.epoch,
+                              **{k: float(v) for k, v in scalars.items()})
+
+    def finish(self, **results: Any) -> dict[str, Any]:
+        """Rank 0: summary.json in run_dir (what ``spotring sweep`` and the reports read:
+        ``results`` such as test_accuracy, and the run's steps, workers, global batch,
+        seconds and img/s); then leave the process group. Returns the summary."""
+        seconds = time.perf_counter() - self._started
+        loader = self._tracked_loader() or self._loader
+        steps = self.step_count - self._start_step
+        summary: dict[str, Any] = {
+            "steps": self.step_count, "steps_this_run": steps, "train_seconds": seconds,
+            "world_size": self.world_size, "launcher": self.launch.launcher,
+            "engine": self.engine.name, "backend": self.engine.backend,
+            "precision": self.precision, "run_dir": str(self.run_dir),
+            "checkpoints": self.checkpoints.where,
+        }
+        if loader is not None:
+            summary |= {"global_batch": loader.global_batch,
+                        "epochs": self.step_count / loader.steps_per_epoch,
+                        "images_per_second": steps * loader.global_batch / max(seconds, 1e-9)}
+        summary |= results
+        if self.is_main:
+            write_atomic(self.run_dir / "summary.json",
+                         json.dumps(summary, indent=2, default=str).encode())
+        self.close()
+        return summary
+
+    # ------------------------------------------------------------------------- leaving
+
+    def close(self) -> None:
+        """Stop watching for notices, flush the metrics, leave the process group; a
+        second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self.preemption.close()
+        if self._telemetry is not None:
+            self._telemetry.close()
+        self.engine.shutdown()
+        self.preemption.restore_signals()
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if error is None or isinstance(error, SystemExit):
+            if error is None:
+                self.close()
+            return False
+        if isinstance(error, ConfigError):
+            report_bad_input(error, self.rank, self.world_size)
+            sys.exit(EXIT_CONFIG)
+        if isinstance(error, Diverged):
+            log.error("%s; exit %d", error, EXIT_DIVERGED)
+            if self.is_main:
+                write_atomic(self.run_dir / DIVERGED, json.dumps(
+                    {"step": error.step, "loss": error.loss, "reason": str(error)}).encode())
+            self.close()
+            sys.exit(EXIT_DIVERGED)
+        if engines.is_collective_failure(error):
+            self.preemption.close()  # the handlers stay: a SIGTERM now must not end it silently
+            exit_peer_lost(self.engine.describe_failure(error))
+        return False
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under DDP's and torch.compile's wrappers: what to save or
+    evaluate outside the job."""
+    while True:
+        inner = next((m for m in (getattr(model, "module", None),
+                                  getattr(model, "_orig_mod", None))
+                      if isinstance(m, nn.Module)), None)
+        if inner is None:
+            return model
+        model = inner
+
+
+def _state_of(obj: Any) -> Any:
+    if isinstance(obj, nn.Module):
+        return unwrap(obj).state_dict()
+    if hasattr(obj, "state_dict"):
+        return obj.state_dict()
+    if isinstance(obj, dict):
+        return dict(obj)
+    raise TypeError(f"cannot checkpoint a {type(obj).__name__}: track objects with "
+                    "state_dict() and load_state_dict(), or dicts")
+
+
+def _load_state(obj: Any, state: Any) -> None:
+    if isinstance(obj, nn.Module):
+        unwrap(obj).load_state_dict(state)
+    elif hasattr(obj, "load_state_dict"):
+        obj.load_state_dict(state)
+    else:
+        obj.clear()
+        obj.update(state)

@@ -1,0 +1,144 @@
+"""torch's DataLoader over any map-style Dataset, in spotring's world-size-invariant order.
+
+    loader = spotring.DataLoader(dataset, global_batch=256, batch_size=64, num_workers=4,
+                                 pin_memory=True)
+    loader.load_state_dict(checkpoint["data"])          # on any number of workers
+    for epoch in range(loader.epoch, epochs):
+        loader.set_epoch(epoch)                          # keeps a resumed run's offset
+        for x, y in loader:                              # this rank's micro-batches
+            with (nullcontext() if loader.is_step_boundary else model.no_sync()):
+                loss_fn(model(x), y).backward()
+            if loader.is_step_boundary:                  # the global batch is complete
+                optimizer.step(); optimizer.zero_grad()
+                checkpoint["data"] = loader.state_dict()
+
+Global batch i of an epoch is the same G samples whatever the number of workers W
+(spotring/sampler.py); each worker takes B per micro-step over K accumulation steps,
+G = B x W x K, with B at most ``batch_size``. The position a state_dict records is the
+training loop's, not the sampler's: workers fetch ahead, so the loader counts what it
+hands out and moves the offset by G after every K micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch.utils.data
+
+from spotring.exits import ConfigError
+from spotring.global_batch import split_global_batch
+from spotring.runtime import detect
+from spotring.sampler import GlobalBatchSampler
+
+# torch's options that would choose the order, which is spotring's.
+REFUSED = ("shuffle", "sampler", "batch_sampler", "drop_last")
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """This rank's micro-batches of ``dataset`` in spotring's order; every other keyword
+    (num_workers, pin_memory, persistent_workers, collate_fn, ...) goes to torch's
+    DataLoader. ``rank`` and ``world_size`` default to the launcher's environment
+    (spotring.runtime.detect). Iterate it once per epoch after `set_epoch`; an epoch
+    iterated to its end leaves the loader there (``len(loader) == 0``) until the next
+    `set_epoch`."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset, global_batch: int, *,
+                 batch_size: int | None = None, seed: int = 0, rank: int | None = None,
+                 world_size: int | None = None, **kwargs: Any) -> None:
+        refused = [name for name in REFUSED if name in kwargs]
+        if refused:
+            raise ConfigError(
+                f"spotring.DataLoader takes no {', '.join(refused)}: the order is spotring's "
+                "(one permutation per epoch seeded by (seed, epoch), cut into global batches, "
+                "the tail shorter than a global batch dropped), the same on any number of "
+                "workers; give seed= for another order and set_epoch(e) for each epoch")
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            raise ConfigError("spotring.DataLoader orders a map-style Dataset (with __len__ "
+                              "and __getitem__); an IterableDataset has no indices to order")
+        if rank is None or world_size is None:
+            launch = detect()
+            rank = launch.rank if rank is None else rank
+            world_size = launch.world_size if world_size is None else world_size
+        micro, accumulation = split_global_batch(global_batch, world_size, batch_size)
+        sampler = GlobalBatchSampler(len(dataset), global_batch, rank=rank,
+                                     world_size=world_size, accumulation=accumulation, seed=seed)
+        super().__init__(dataset, batch_sampler=sampler, **kwargs)
+        # torch leaves batch_size None under a batch_sampler and then refuses to set it;
+        # every batch of this one has B samples, which is what batch_size means to readers.
+        object.__setattr__(self, "batch_size", micro)
+        self._handed = 0  # micro-batches of the current global batch handed out (0..K)
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_sampler.global_batch
+
+    @property
+    def accumulation(self) -> int:
+        """K: micro-batches per global batch on this worker."""
+        return self.batch_sampler.accumulation
+
+    @property
+    def epoch(self) -> int:
+        return self.batch_sampler.epoch
+
+    @property
+    def offset(self) -> int:
+        """Samples of this epoch's order in the global batches handed out completely."""
+        return self.batch_sampler.offset
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps (global batches) in a whole epoch."""
+        return self.batch_sampler.steps_per_epoch
+
+    @property
+    def is_step_boundary(self) -> bool:
+        """True right after the last micro-batch of a global batch was handed out: the
+        gradients are complete once it is backpropagated; step the optimizer then."""
+        return self._handed == self.accumulation
+
+    def set_epoch(self, epoch: int) -> None:
+        """Stand in ``epoch``: at its start, or where the loader already is if it stands
+        in it (a resumed run calls set_epoch(start_epoch) and continues mid-epoch)."""
+        self.batch_sampler.set_epoch(epoch)
+        self._handed = 0
+
+    def epochs(self, epochs: int) -> Iterator[int]:
+        """The epochs still to train, each set with `set_epoch` before it is handed out:
+        ``for epoch in loader.epochs(n)`` starts at the restored epoch, mid-epoch, and
+        skips one restored at its end (its per-epoch work was done before that
+        checkpoint), so the same command run again after the last epoch trains nothing."""
+        for epoch in range(self.epoch, epochs):
+            self.set_epoch(epoch)
+            if len(self) == 0:
+                continue
+            yield epoch
+
+    def state_dict(self) -> dict[str, int]:
+        """{"epoch", "offset", "seed", "global_batch"}: the position after the last
+        complete global batch handed out, in samples of the epoch's order."""
+        return self.batch_sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue where ``state`` was taken, on any world size and accumulation; raises
+        ConfigError for another seed or global batch (the samples would differ)."""
+        self.batch_sampler.load_state_dict(state)
+        self._handed = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        # A new iteration restarts at the offset, the start of a global batch.
+        self._handed = 0
+        return self._counted(super().__iter__())
+
+    def _counted(self, batches: Iterator[Any]) -> Iterator[Any]:
+        sampler = self.batch_sampler
+        for batch in batches:
+            self._handed = self._handed % self.accumulation + 1
+            if self._handed == self.accumulation:
+                sampler.seek(sampler.epoch, sampler.offset + self.global_batch)
+            yield batch
+
+    def __len__(self) -> int:
+        """Micro-batches left in the current epoch."""
+        return len(self.batch_sampler) - self._handed % self.accumulation

@@ -1,0 +1,177 @@
+"""spotring's API in one process (the multi-process guarantees: tests/test_examples.py):
+what a user's script gets from init, track, save, restore, should_stop, log and finish."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import spotring
+from spotring.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, PREEMPTED, Diverged
+from tests.conftest import REPO
+
+N, GLOBAL_BATCH = 40, 8
+
+
+def dataset() -> TensorDataset:
+    return TensorDataset(torch.randn(N, 3, generator=torch.Generator().manual_seed(0)),
+                         torch.arange(N))
+
+
+def job(tmp_path, **options) -> spotring.Job:
+    return spotring.init(run_dir=tmp_path, imds=False, **options)
+
+
+def steps(job: spotring.Job, model, optimizer, loader, count: int) -> list[int]:
+    """``count`` optimizer steps (or to the epoch's end); the labels seen."""
+    seen = []
+    for x, y in loader:
+        loss = model(x).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        seen += y.tolist()
+        job.should_stop()
+        if len(seen) == count * GLOBAL_BATCH:
+            break
+    return seen
+
+
+def test_a_restored_run_continues_mid_epoch_with_the_samples_and_weights_of_one_unbroken(
+        tmp_path):
+    def start(directory):
+        j = job(directory)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        loader = j.loader(dataset(), GLOBAL_BATCH)
+        model, optimizer = j.wrap(model, optimizer)
+        counters = {"seen": 0}
+        j.track(model=model, optimizer=optimizer, loader=loader, counters=counters)
+        return j, model, optimizer, loader, counters
+
+    j, model, optimizer, loader, counters = start(tmp_path / "whole")
+    loader.set_epoch(1)
+    whole = steps(j, model, optimizer, loader, 5)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    j.close()
+
+    j, model, optimizer, loader, counters = start(tmp_path / "cut")
+    assert j.restore() is None  # nothing to restore: a fresh start
+    loader.set_epoch(1)
+    first = steps(j, model, optimizer, loader, 2)
+    counters["seen"] = len(first)
+    assert j.step_count == 5 + 2  # epoch 1 of 5 steps each, 2 done
+    j.save()
+    j.close()
+
+    j, model, optimizer, loader, counters = start(tmp_path / "cut")
+    assert j.restore() == 7 and counters == {"seen": 16} and loader.epoch == 1
+    loader.set_epoch(1)  # the epoch it stands in: it keeps its place
+    rest = steps(j, model, optimizer, loader, 3)
+    j.close()
+    assert first + rest == whole
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+
+
+def test_a_stop_signal_is_agreed_a_step_later_and_save_and_exit_leaves_75_and_its_note(
+        tmp_path):
+    j = job(tmp_path)
+    model, optimizer = j.wrap(torch.nn.Linear(3, 1), torch.optim.SGD([torch.zeros(1)], lr=1))
+    loader = j.loader(dataset(), GLOBAL_BATCH)
+    j.track(model=model, loader=loader)
+    assert j.should_stop() is False
+    signal.raise_signal(signal.SIGTERM)  # caught: a flag, the step goes on
+    # The vote sent with a step's call is answered by the next one (it overlaps a step).
+    assert j.should_stop() is False
+    assert j.should_stop() is True
+    with pytest.raises(SystemExit) as exit:
+        j.save_and_exit()
+    assert exit.value.code == EXIT_PREEMPTED
+    note = json.loads((tmp_path / PREEMPTED).read_text())
+    assert note["reason"] == "SIGTERM" and note["step"] == 0
+    assert note["noticed_at"] <= note["local_saved_at"] <= note["saved_at"]
+    assert (tmp_path / "checkpoints" / "ckpt-000000000.json").is_file()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handed back on the way out
+
+
+def test_log_and_finish_write_what_sweeps_and_reports_read(tmp_path):
+    j = job(tmp_path)
+    loader = j.loader(dataset(), GLOBAL_BATCH)
+    j.track(loader=loader)
+    loader.set_epoch(0)
+    for _ in loader:
+        pass
+    j.log("test", accuracy=0.5, loss=torch.tensor(1.25))
+    summary = j.finish(test_accuracy=0.5)
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    assert summary["test_accuracy"] == 0.5 and summary["steps"] == N // GLOBAL_BATCH
+    assert summary["global_batch"] == GLOBAL_BATCH and summary["world_size"] == 1
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert {k: record[k] for k in ("kind", "step", "epoch", "accuracy", "loss")} == {
+        "kind": "test", "step": 5, "epoch": 1, "accuracy": 0.5, "loss": 1.25}
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_a_non_finite_loss_or_weights_is_a_divergence(tmp_path):
+    j = job(tmp_path)
+    model = torch.nn.Linear(3, 1)
+    j.track(model=model)
+    j.check_finite(torch.tensor(1.0))
+    with pytest.raises(Diverged, match="the train loss is nan at step 0"):
+        j.check_finite(float("nan"))
+    with torch.no_grad():
+        model.weight.fill_(float("inf"))
+    with pytest.raises(Diverged, match="the weights are not finite"):
+        j.save()
+    assert not (tmp_path / "checkpoints").exists()
+    j.close()
+
+
+SCRIPT = """
+import sys, spotring, torch
+with spotring.init(run_dir=sys.argv[1], imds=False) as job:
+    job.loader(torch.utils.data.TensorDataset(torch.zeros(10, 1)), int(sys.argv[2]))
+    if sys.argv[3] == "nan":
+        job.check_finite(float("nan"))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, code, says", [
+    (["5", "-"], 0, ""),
+    (["20", "-"], EXIT_CONFIG, "batch of 20 samples is larger than the dataset (10 samples)"),
+    (["5", "nan"], EXIT_DIVERGED, "training diverged"),
+])
+def test_with_turns_what_went_wrong_into_the_exit_code_a_launcher_acts_on(
+        tmp_path, args, code, says):
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code, proc.stderr
+    assert says in proc.stderr
+    assert (tmp_path / "diverged.json").exists() == (code == EXIT_DIVERGED)
+
+
+@pytest.mark.slow
+def test_bad_options_exit_2_naming_the_value_and_the_valid_ones(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", "import spotring; spotring.init(engine='deepspeed')"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == EXIT_CONFIG
+    assert "engine='deepspeed' is not one of ddp, horovod" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_epochs_continue_mid_epoch_and_skip_one_restored_at_its_end():
+    loader = spotring.DataLoader(dataset(), GLOBAL_BATCH, rank=0, world_size=1)
+    loader.load_state_dict({"epoch": 1, "offset": 16, "seed": 0, "global_batch": 8})
+    assert [(epoch, len(loader)) for epoch in loader.epochs(3)] == [(1, 3), (2, 5)]
+    loader.load_state_dict({"epoch": 1, "offset": 40, "seed": 0, "global_batch": 8})
+    assert list(loader.epochs(2)) == []  # the last epoch was done: a rerun trains nothing

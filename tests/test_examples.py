@@ -1,0 +1,316 @@
+"""examples/: a user's own script gets spotring's guarantees under every launcher.
+
+One uninterrupted reference run (torchrun, 2 workers, 2 loader processes each) answers
+for the others: 1 worker alone, mpirun, Horovod's example under horovodrun, a run
+stopped by SIGTERM mid-epoch and resumed on 1 and on 4 workers, and a run stopped by an
+EC2 spot notice and resumed from S3 on a fresh machine all end with its weights (srun:
+tests/test_slurm.py).
+In float64, as tests/test_equivalence.py explains: in float32 a rounding difference
+eventually flips a near-tie in a max-pool and the runs drift apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from torchvision.datasets import ImageFolder
+
+from launch.commands import BIN, local_environment
+from spotring.checkpoint import Checkpoints, find_resume
+from spotring.exits import EXIT_PREEMPTED
+from spotring.polling import poll
+from spotring.sampler import epoch_order
+from tests.conftest import REPO, assert_close
+from tests.imds import MetadataStub
+
+EXAMPLES = REPO / "examples"
+# 2 classes x 48 training images: 6 steps of 16 per epoch, 18 in all; every global batch
+# splits over 1, 2 and 4 workers.
+PER_CLASS, TEST_PER_CLASS, GLOBAL_BATCH, EPOCHS, SEED = 48, 16, 16, 3, 5
+STEPS_PER_EPOCH = 2 * PER_CLASS // GLOBAL_BATCH
+ARGS = ["--epochs", str(EPOCHS), "--batch-size", str(GLOBAL_BATCH), "--dtype", "float64",
+        "--seed", str(SEED), "--lr", "0.05"]
+TIMEOUT = 120  # seconds for one run; they take 3 to 15 here
+# The largest number of lines train.py adds to or changes in plain_train.py.
+MOST_CHANGED_LINES = 17
+
+
+def command(launcher: str, nproc: int, script: str, *args: str) -> list[str]:
+    """launch.commands.local_command's launchers, running an example script as users do;
+    srun: ``nproc`` nodes of one task each, of the cluster $SLURM_CONF names."""
+    python = [sys.executable, str(EXAMPLES / script), *args]
+    return {
+        "single": python,
+        "torchrun": [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc),
+                     *python[1:]],
+        "mpirun": [str(BIN / "mpirun"), "-np", str(nproc), "--oversubscribe", *python],
+        "horovodrun": [str(BIN / "horovodrun"), "-np", str(nproc), "-H", f"localhost:{nproc}",
+                       *python],
+        "srun": ["srun", "-N", str(nproc), "--ntasks-per-node=1", *python],
+    }[launcher]
+
+
+@contextlib.contextmanager
+def started(launcher: str, nproc: int, data: Path, out: Path, *extra: str,
+            script: str = "train.py") -> Iterator[subprocess.Popen]:
+    """An example running in a session of its own, whose processes all end with the
+    ``with`` (killed if need be: a failed assertion leaves no rank behind)."""
+    args = ["--data", str(data), "--out", str(out), *ARGS, *extra]
+    proc = subprocess.Popen(command(launcher, nproc, script, *args), cwd=REPO, text=True,
+                            env=local_environment(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def run(launcher: str, nproc: int, data: Path, out: Path, *extra: str,
+        script: str = "train.py") -> Path:
+    """Run an example to its end (exit 0); returns its weights.pt."""
+    with started(launcher, nproc, data, out, *extra, script=script) as proc:
+        output, _ = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{output[-6000:]}"
+    return out / "weights.pt"
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+def write_images(root: Path) -> None:
+    """Grey 8x8 PNGs a small CNN tells apart: class "dark" and class "light" differ by
+    100 grey levels, on noise of 156."""
+    generator = torch.Generator().manual_seed(0)
+    for split, count in (("train", PER_CLASS), ("test", TEST_PER_CLASS)):
+        for offset, name in ((0, "dark"), (100, "light")):
+            (root / split / name).mkdir(parents=True)
+            for i in range(count):
+                pixels = torch.randint(0, 156, (8, 8), generator=generator) + offset
+                Image.fromarray(pixels.to(torch.uint8).numpy(), mode="L").save(
+                    root / split / name / f"{i:03d}.png")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("images")
+    write_images(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory) -> Path:
+    """The uninterrupted run: torchrun, 2 workers, 2 data loader processes each."""
+    out = tmp_path_factory.mktemp("reference")
+    run("torchrun", 2, data, out, "--workers", "2")
+    return out
+
+
+def test_train_py_is_plain_train_py_and_a_few_marked_lines():
+    plain, spotring = ((EXAMPLES / name).read_text().splitlines()
+                       for name in ("plain_train.py", "train.py"))
+    diff = list(difflib.unified_diff(plain, spotring, lineterm=""))[2:]  # no file names
+    added = [line[1:] for line in diff if line.startswith("+") and line[1:].strip()]
+    assert all("# spotring" in line for line in added), "\n".join(added)
+    assert len(added) <= MOST_CHANGED_LINES, "\n".join(added)
+    # examples/README.md shows the diff as it is.
+    shown = (EXAMPLES / "README.md").read_text().split("```diff\n")[1].split("```")[0]
+    assert shown.splitlines() == diff
+
+
+@pytest.mark.slow
+def test_the_plain_script_runs_and_saves_the_same_model(reference, data, tmp_path):
+    plain = weights(run("single", 1, data, tmp_path, script="plain_train.py"))
+    assert plain.keys() == weights(reference / "weights.pt").keys()
+
+
+@pytest.mark.slow
+def test_two_workers_with_loader_processes_take_one_workers_steps(reference, data, tmp_path):
+    alone = run("single", 1, data, tmp_path)
+    assert_close(weights(alone), weights(reference / "weights.pt"), rtol=1e-10)
+
+
+@pytest.mark.slow
+def test_rank_0_alone_writes_summary_and_test_metrics(reference):
+    summary = json.loads((reference / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["launcher"] == "torchrun"
+    assert summary["steps"] == EPOCHS * STEPS_PER_EPOCH
+    assert summary["global_batch"] == GLOBAL_BATCH
+    assert summary["test_accuracy"] >= 0.9
+    records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    tests = [r for r in records if r["kind"] == "test"]
+    # One writer: two ranks would leave two records, or one line cut into another.
+    assert len(tests) == 1, tests
+    assert tests[0]["accuracy"] == summary["test_accuracy"]
+    assert tests[0]["step"] == EPOCHS * STEPS_PER_EPOCH
+    assert sorted(p.name for p in (reference / "checkpoints").glob("ckpt-*.pt")) == [
+        f"ckpt-{step:09d}.pt" for step in range(STEPS_PER_EPOCH, EPOCHS * STEPS_PER_EPOCH + 1,
+                                                STEPS_PER_EPOCH)]
+
+
+def held(data: Path, copy: Path, epoch: int, batch: int) -> tuple[Path, bytes]:
+    """``data`` copied to ``copy``, where the first training image of global batch
+    ``batch`` of ``epoch`` becomes a named pipe: the rank that reads it waits until the
+    test writes the image (``give``), so a signal or notice lands at a known step however
+    fast the run is. Every epoch reads it once. Returns the pipe and the image."""
+    shutil.copytree(data, copy)
+    index = int(epoch_order(2 * PER_CLASS, SEED, epoch)[batch * GLOBAL_BATCH])
+    fifo = Path(ImageFolder(copy / "train").samples[index][0])
+    image = fifo.read_bytes()
+    fifo.unlink()
+    os.mkfifo(fifo)
+    return fifo, image
+
+
+def reader_waiting(fifo: Path, proc: subprocess.Popen, deadline: float) -> int:
+    """Wait until the run opens ``fifo`` to read it; returns the writing end."""
+    while True:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno != errno.ENXIO:  # ENXIO: no reader yet
+                raise
+        assert proc.poll() is None, proc.communicate()[0][-6000:]
+        assert time.monotonic() < deadline, "the run never read the image"
+        time.sleep(0.01)
+
+
+def give(fd: int, content: bytes) -> None:
+    try:
+        os.write(fd, content)  # a PNG of 8x8 fits the pipe's buffer: no wait
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.slow
+def test_sigterm_mid_epoch_exits_75_and_resumes_on_1_and_4_workers(reference, data,
+                                                                     tmp_path):
+    # SIGTERM while a rank waits for the image of epoch 1's global batch 2 (of 0..5).
+    images = tmp_path / "images"
+    fifo, image = held(data, images, epoch=1, batch=2)
+    out = tmp_path / "run"
+    with started("torchrun", 2, images, out) as proc:
+        deadline = time.monotonic() + TIMEOUT
+        give(reader_waiting(fifo, proc, deadline), image)  # epoch 0
+        # A new pipe in its place, atomically: the one just read may still be open.
+        os.mkfifo(tmp_path / "pipe")
+        os.replace(tmp_path / "pipe", fifo)
+        fd = reader_waiting(fifo, proc, deadline)  # epoch 1, step 2
+        ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                               text=True, timeout=10).stdout.split()
+        assert len(ranks) == 2, ranks
+        for pid in ranks:  # every process gets SIGTERM on a spot instance's shutdown
+            os.kill(int(pid), signal.SIGTERM)
+        time.sleep(0.5)  # the reading rank notes it before its step goes on
+        give(fd, image)
+        output, _ = proc.communicate(timeout=TIMEOUT)
+    # torchrun exits 1 when a worker fails, naming the worker's exit code.
+    assert f"exitcode  : {EXIT_PREEMPTED}" in output, output[-6000:]
+    stopped = json.loads((out / "preempted.json").read_text())
+    # The votes of step 2 are read at step 3: they stop after epoch 1's 4th step.
+    assert stopped["step"] == STEPS_PER_EPOCH + 4, stopped
+    assert stopped["reason"] == "SIGTERM"
+    assert stopped["checkpoint"].endswith(f"ckpt-{stopped['step']:09d}.pt")
+    assert not (out / "weights.pt").exists() and not (out / "summary.json").exists()
+
+    # The same command continues: alone, and (from a copy) on 4 workers.
+    shutil.copytree(out, tmp_path / "run4")
+    expected = weights(reference / "weights.pt")
+    for launcher, nproc, where in (("single", 1, out), ("torchrun", 4, tmp_path / "run4")):
+        resumed = run(launcher, nproc, data, where)
+        assert_close(weights(resumed), expected, rtol=1e-10)
+        summary = json.loads((where / "summary.json").read_text())
+        assert summary["world_size"] == nproc
+        assert summary["steps_this_run"] == EPOCHS * STEPS_PER_EPOCH - stopped["step"]
+
+
+@pytest.mark.slow
+def test_a_spot_notice_stops_every_rank_at_one_step_and_a_fresh_machine_resumes_from_s3(
+        reference, data, tmp_path, s3, monkeypatch):
+    uri = "s3://spotring/examples/spot"
+    monkeypatch.setenv("SPOTRING_CHECKPOINT_URI", uri)  # what spotring.init reads
+    imds = MetadataStub()
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", imds.url)
+    # The notice comes while a rank waits for the image of epoch 0's global batch 2; the
+    # votes of step 3 are read at step 4, after which every rank stops.
+    images, stop = tmp_path / "images", 4
+    fifo, image = held(data, images, epoch=0, batch=2)
+    out = tmp_path / "run"
+    try:
+        with started("torchrun", 2, images, out) as proc:
+            fd = reader_waiting(fifo, proc, time.monotonic() + TIMEOUT)
+            imds.announce_interruption()
+            asked = len(imds.requests)  # every request from here on is told of the notice
+
+            def polled() -> bool | None:
+                """Rank 0's watcher has read the notice: a request for it after the
+                announcement, and not the first (a probe, whose answer it does not read)."""
+                assert proc.poll() is None, proc.communicate()[0][-6000:]
+                reads = [i for i, (_, path, _) in enumerate(imds.requests)
+                         if path.endswith("/spot/instance-action")]
+                return len(reads) > 1 and reads[-1] >= asked or None
+
+            # The watcher polls every 5 s (spotring.init's default): a few seconds here.
+            poll(polled, timeout_s=30, interval_s=0.05, what="a poll of the notice")
+            time.sleep(0.5)  # rank 0 notes it before the step goes on
+            give(fd, image)
+            output, _ = proc.communicate(timeout=TIMEOUT)
+        # torchrun names the first rank to exit (it stops the other with SIGTERM).
+        assert f"exitcode  : {EXIT_PREEMPTED}" in output, output[-6000:]
+        stopped = json.loads((out / "preempted.json").read_text())
+        assert stopped["step"] == stop, stopped
+        assert stopped["reason"].startswith("spot terminate notice for "), stopped
+        for reason in (stopped["reason"], "another rank received a notice"):  # rank 0, 1
+            assert f"preempted ({reason}) at step {stop}; exit {EXIT_PREEMPTED}" in output, \
+                output[-6000:]
+        assert stopped["upload_bytes"] > 0, stopped  # S3 had its share of the notice budget
+        # A fresh machine, nothing on its disk, finds that checkpoint on S3 ...
+        found = find_resume("auto", Checkpoints(tmp_path / "empty", keep=3, uri=uri))
+        assert found.location == f"{uri}/ckpt-{stop:09d}.pt"
+
+        # ... and the same command, alone and with a new --out, continues from it.
+        imds.instance_action = None  # the replacement instance has no notice
+        fresh = tmp_path / "fresh"
+        resumed = run("single", 1, data, fresh)
+    finally:
+        imds.close()
+    summary = json.loads((fresh / "summary.json").read_text())
+    assert summary["steps_this_run"] == EPOCHS * STEPS_PER_EPOCH - stop, summary
+    assert summary["checkpoints"] == f"{fresh / 'checkpoints'} and {uri}"
+    assert_close(weights(resumed), weights(reference / "weights.pt"), rtol=1e-10)
+
+
+@pytest.mark.slow
+def test_horovod_style_under_horovodrun_takes_the_same_steps(reference, data, tmp_path):
+    try:
+        import horovod.torch  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"Horovod is not built in this environment ({e}): `make horovod`")
+    ran = run("horovodrun", 2, data, tmp_path, script="horovod_style.py")
+    # Horovod averages as (a + b) / 2, DDP as a/2 + b/2: in float64 a rounding apart.
+    assert_close(weights(ran), weights(reference / "weights.pt"), rtol=1e-10)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["engine"] == "horovod" and summary["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_mpirun_takes_the_same_steps(reference, data, tmp_path):
+    ran = run("mpirun", 2, data, tmp_path)
+    assert_close(weights(ran), weights(reference / "weights.pt"), rtol=1e-10)
+    assert json.loads((tmp_path / "summary.json").read_text())["launcher"] == "mpi"

@@ -187,10 +187,10 @@ class Job:
         global batch (``batch_size`` caps the per-worker micro-batch; the rest is
         accumulation). Keyword arguments go to torch's DataLoader (num_workers,
         pin_memory, persistent_workers, collate_fn, ...)."""
+        dataloader_kwargs.setdefault("pin_memory", self.device.type == "cuda")
         loader = DataLoader(dataset, global_batch, batch_size=batch_size,
                             seed=self.seed if seed is None else seed, rank=self.rank,
-                            world_size=self.world_size,
-                            pin_memory=self.device.type == "cuda", **dataloader_kwargs)
+                            world_size=self.world_size, **dataloader_kwargs)
         self._loader = loader
         return loader
 

@@ -118,7 +118,7 @@ def test_the_documented_make_launch_trains_mnist_across_two_local_nodes(uninterr
     for i in range(2):
         assert (run.path / f"nodes/node-{i}/work/trainer/__main__.py").is_file()
     assert (run.path / f"nodes/node-0/work/runs/{run.id}/summary.json").is_file()
-    assert "[0]<stdout>:spotring: convnet on mnist: test accuracy" in out
+    assert "[0]<stdout>:spotring: fast_convnet on mnist: test accuracy" in out
     summary = json.loads((run.job / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 120
     assert summary["engine"] == "horovod" and summary["test_accuracy"] > 0.9

@@ -67,7 +67,7 @@ def test_a_sweep_runs_one_trial_on_each_node_of_a_cluster_at_the_same_time(tmp_p
                                             f"{NAME}/00{number}/summary.json").is_file()] == [node]
             assert list((trial_dir / "tensorboard").glob(f"*.node-{node}.*"))
             # What its processes printed, kept here (not replaced by the node's copy).
-            assert "spotring: convnet on mnist: test accuracy" in (
+            assert "spotring: fast_convnet on mnist: test accuracy" in (
                 trial_dir / "trial.log").read_text()
 
         # At the same time: each trainer was still training after the other had started.

@@ -40,6 +40,8 @@ help:
 	@echo "                   spot nodes up, the trainer across them, everything down again"
 	@echo "make down [RUN_ID=id]  delete what a launch left (default: the newest run)"
 	@echo "make system-deps   Debian packages the local cluster, SLURM and their tests need (as root)"
+	@echo "make gpu-bundle    gpu-bundle/: the wheels a GPU machine lacks (needs the package index)"
+	@echo "make gpu-check [GPU_OUT=runs/gpu-check] [GPU_ARGS='--tiny']  every GPU check in one go"
 
 install: $(VENV)/.installed
 
@@ -113,3 +115,19 @@ system-deps:
 
 clean:
 	rm -rf runs .pytest_cache
+
+# The GPU kit (docs/gpu.md): the wheels an offline GPU machine lacks, made here, and every
+# GPU check in one command there. A checkout's .venv has those packages; elsewhere (the GPU
+# machine's own python3, with its torch) the bundle brings them.
+GPU_BUNDLE ?= gpu-bundle
+GPU_OUT    ?= runs/gpu-check
+GPU_ARGS   ?=
+KIT_PYTHON := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+.PHONY: gpu-bundle gpu-check
+
+gpu-bundle:
+	$(KIT_PYTHON) -m benchmarks.gpu_bundle $(GPU_BUNDLE)
+
+gpu-check:
+	PYTHON=$(KIT_PYTHON) tools/gpu-check $(GPU_OUT) \
+	    $(if $(wildcard $(BIN)/python),,--bundle $(GPU_BUNDLE)) $(GPU_ARGS)

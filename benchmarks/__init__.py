@@ -15,6 +15,11 @@ run the same.) The method and the model: docs/benchmarks.md. The modules:
     predict.py      spotring predict: the alpha-beta model, 1 to 256 nodes, time and cost
     report.py       spotring report: results.json -> report.md, with plots.py's PNGs
 
+and, run on their own (python -m benchmarks.X): notice_budget.py (a spot notice to the
+checkpoint on S3), api_cost.py (what spotring's API costs a script, the DataLoader over
+files), gpu_check.py (tools/gpu-check: every GPU path in one command, with gpu_bundle.py
+the wheels an offline GPU machine lacks and deterministic_trainer.py)
+
 and what they share: runs.py (start a measured run as users do), allreduce_ranks.py (each
 rank of the allreduce benchmark), plain_loop.py (the plain PyTorch DDP baseline),
 trainer_sweep.py (a Hydra sweep of the trainer in one process), stats.py, record.py

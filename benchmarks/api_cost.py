@@ -66,7 +66,7 @@ from benchmarks import machine, record
 from benchmarks.plain_loop import mnist, network
 from benchmarks.report import commands, header, spread, table
 from benchmarks.runs import json_line, run_together, shown, trainer_records
-from benchmarks.stats import mean_ci
+from benchmarks.stats import interleaved, mean_ci
 from benchmarks.suite import counts
 from benchmarks.time_to_accuracy import EVALUATIONS, TARGET, eval_interval, seconds_to
 from benchmarks.time_to_accuracy import trainer_steps as default_run
@@ -218,13 +218,6 @@ def _run(command: list[str]) -> tuple[dict, str]:
     return {**json_line(out, "images_per_second"), "load": load}, shown(command)
 
 
-def _orders(configurations: list, repeats: int):
-    """(repeat, configuration) in the interleaved order: reversed every other repeat."""
-    for i in range(repeats):
-        for config in configurations if i % 2 == 0 else configurations[::-1]:
-            yield i, config
-
-
 def _window_args(section: str) -> list[str]:
     warmup, steps = WINDOWS[section]
     return ["--global-batch", str(GLOBAL_BATCH), "--warmup", str(warmup), "--steps", str(steps)]
@@ -232,7 +225,7 @@ def _window_args(section: str) -> list[str]:
 
 def measure_api(repeats: int, folder: Path) -> dict:
     runs = []
-    for i, variant in _orders(["plain", "spotring"], repeats):
+    for i, variant in interleaved(["plain", "spotring"], repeats):
         run_dir = folder / "runs" / f"api-{variant}-r{i}"
         command = local_command("torchrun", WORKERS, [
             "--variant", variant, *_window_args("api"), "--run-dir", str(run_dir)],
@@ -259,7 +252,7 @@ def measure_dataloader(repeats: int, folder: Path) -> dict:
     runs = []
     with tempfile.TemporaryDirectory(prefix="api-cost-png-") as data:
         write_pngs(Path(data), FILES)
-        for i, workers in _orders(list(LOADER_WORKERS), repeats):
+        for i, workers in interleaved(list(LOADER_WORKERS), repeats):
             command = local_command("single", 1, [
                 "--variant", "files", *_window_args("dataloader"), "--data", data,
                 "--loader-workers", str(workers)], module=MODULE)
@@ -294,7 +287,7 @@ def measure_trainer(repeats: int, before: Path, before_commit: str, folder: Path
     steps = default_run(WORKERS, None)["steps"]
     every = eval_interval(steps, EVALUATIONS)
     runs = []
-    for seed, tree in _orders(["before", "after"], repeats):
+    for seed, tree in interleaved(["before", "after"], repeats):
         run_dir = folder / "runs" / f"trainer-{tree}-s{seed}"
         # Emptied first: the trainer appends to the metrics.jsonl of an earlier run of
         # this name, whose evaluations would be read as this run's.

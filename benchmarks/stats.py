@@ -49,3 +49,12 @@ def scaling(many: dict[str, float], one: dict[str, float], workers: int) -> dict
     relative = math.hypot(many["ci95"] / many["mean"], one["ci95"] / one["mean"])
     return {"speedup": {"mean": workers * efficiency, "ci95": workers * efficiency * relative},
             "efficiency": {"mean": efficiency, "ci95": efficiency * relative}}
+
+
+def interleaved(configurations: list, repeats: int):
+    """(repeat, configuration) in the order runs are measured side by side: every
+    configuration once per repeat, reversed every other repeat, so that a machine that
+    speeds up or slows down during the run favours none of them."""
+    for i in range(repeats):
+        for config in configurations if i % 2 == 0 else configurations[::-1]:
+            yield i, config

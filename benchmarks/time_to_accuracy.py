@@ -33,6 +33,7 @@ from pathlib import Path
 
 from benchmarks import reference_loop
 from benchmarks.runs import MNIST, REPO, json_line, run_together, shown, trainer_records
+from benchmarks.stats import interleaved
 from launch.commands import local_command
 
 EVALUATIONS = 15  # per run, about: the curve's points
@@ -154,17 +155,17 @@ def measure(workers: list[int], seeds: list[int], target: float, max_steps: int 
     order = list(plan)
     runs: list[dict] = []
     total = len(seeds) * len(order)
-    for i, seed in enumerate(seeds):
-        for config in order if i % 2 == 0 else order[::-1]:
-            every = eval_interval(plan[config]["steps"], evaluations)
-            run = _run(config, seed, every, max_steps,
-                       folder / "runs" / f"tta-{config.slug}-s{seed}")
-            runs.append(run)
-            seconds = seconds_to(run["curve"], target)
-            reached = ("not reached" if seconds is None
-                       else f"{100 * target:.2f}% after {seconds:.1f} s")
-            print(f"[{len(runs)}/{total}] time to accuracy {config.label}, seed {seed}: "
-                  f"{reached}; final {100 * run['test_accuracy']:.2f}% after "
-                  f"{run['train_seconds']:.1f} s of training", flush=True)
+    for i, config in interleaved(order, len(seeds)):
+        seed = seeds[i]
+        every = eval_interval(plan[config]["steps"], evaluations)
+        run = _run(config, seed, every, max_steps,
+                   folder / "runs" / f"tta-{config.slug}-s{seed}")
+        runs.append(run)
+        seconds = seconds_to(run["curve"], target)
+        reached = ("not reached" if seconds is None
+                   else f"{100 * target:.2f}% after {seconds:.1f} s")
+        print(f"[{len(runs)}/{total}] time to accuracy {config.label}, seed {seed}: "
+              f"{reached}; final {100 * run['test_accuracy']:.2f}% after "
+              f"{run['train_seconds']:.1f} s of training", flush=True)
     return {"target": target, "seeds": seeds, "evaluations": evaluations,
             "max_steps": max_steps, "rows": summarize(plan, runs, target), "runs": runs}

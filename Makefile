@@ -51,7 +51,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 horovod: install
-	tools/build-horovod $(VENV)
+	launch/node/build-horovod $(VENV)
 
 test: install horovod system-deps
 	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)

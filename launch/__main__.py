@@ -1,7 +1,11 @@
-"""spotring launch|up|run|status|down|cost: start spot GPU nodes, run the trainer
-across them, tear them down (also `python -m launch ...`).
+"""spotring launch|up|run|status|down|cost: start spot GPU nodes, run your command or
+the built-in trainer across them, tear them down (also `python -m launch ...`).
 
-    spotring launch nodes=8 -- train.epochs=30   up + run + down (make launch NODES=8);
+    spotring launch nodes=8 -- python train.py --epochs 30
+                                                 up + run + down of your own command, from
+                                                 the directory that holds it
+    spotring launch nodes=8 -- train.epochs=30   the same with the built-in trainer (make
+                                                 launch NODES=8);
                                                  lost spot nodes are replaced and the job
                                                  resumes (cluster.max_preemptions,
                                                  cluster.max_restarts); ledger.json
@@ -18,8 +22,13 @@ across them, tear them down (also `python -m launch ...`).
 Before `--`: overrides of conf/launch.yaml, e.g. nodes=8 cluster=local,
 cluster.instance_types=[g5.12xlarge,g6.12xlarge], cluster.zones=[us-east-1a],
 cluster.ssh_cidr=203.0.113.7/32, cluster.on_demand_fallback=true, job.launcher=torchrun
-(`spotring up --help` lists the keys). After it: the trainer's, as `spotring train` takes
-them, checked before anything is created. `run`, `status`, `down` and `cost` take the
+(`spotring up --help` lists the keys). After it: a command, started on every node's slots
+by job.launcher (once per node with job.launcher=none), or the trainer's overrides, as
+`spotring train` takes them, when the first word is KEY=VALUE (launch/contract.py). The
+directory the launcher runs in goes to every node (the files git lists, or all; up to
+job.max_project_mb), with spotring at this version and requirements.txt or pyproject.toml's
+dependencies installed there; all of it is checked before anything is created. `run`,
+`status`, `down` and `cost` take the
 cluster and node count from the run's launch.yaml (`cost` prices other nodes=,
 cluster.instance_types=, zones= or region= when given). docs/launching.md is the guide.
 
@@ -43,9 +52,10 @@ from pathlib import Path
 from botocore.exceptions import BotoCoreError, ClientError
 from botocore.parsers import ResponseParserError
 
-from launch import STEPS, config, ledger
+from launch import STEPS, config, ledger, project
 from launch.clusters import provider_for
 from launch.console import interrupt_on_termination, log_to, split_trainer_args
+from launch.contract import split_command
 from launch.cost import after_run, hourly
 from launch.down import down, down_after, leftovers
 from launch.plan import plan
@@ -61,10 +71,9 @@ log = logging.getLogger("launch")
 
 # The overrides each subcommand reads (its one line: launch.STEPS).
 COMMANDS = {
-    "launch": ["nodes", "cluster", "cluster.*", "job.launcher", "run_id", "runs_dir", "project",
-               "--"],
-    "up": ["nodes", "cluster", "cluster.*", "job.launcher", "run_id", "runs_dir", "project", "--"],
-    "run": ["run_id", "runs_dir", "job.launcher", "--"],
+    "launch": ["nodes", "cluster", "cluster.*", "job.*", "run_id", "runs_dir", "project", "--"],
+    "up": ["nodes", "cluster", "cluster.*", "job.*", "run_id", "runs_dir", "project", "--"],
+    "run": ["run_id", "runs_dir", "job.*", "--"],
     "status": ["run_id", "runs_dir"],
     "down": ["run_id", "runs_dir", "cluster", "cluster.region", "project"],
     "cost": ["nodes", "cluster", "cluster.instance_types", "cluster.zones", "cluster.region",
@@ -76,13 +85,18 @@ OVERRIDES = {
     "cluster.region": ("cluster.region=REGION", "the AWS region (default us-east-1)"),
     "cluster.zones": ("cluster.zones=[ZONE,...]", "zones to price (default: every zone)"),
     "cluster.instance_types": ("cluster.instance_types=[TYPE,...]", "types to price"),
-    "job.launcher": ("job.launcher=LAUNCHER", "horovodrun (default), mpirun or torchrun"),
+    "job.*": ("job.launcher=LAUNCHER", "horovodrun (default), mpirun, torchrun or none\n"
+              "job.results=DIR: where your command's rank 0 writes\n"
+              "  (default runs/<run id>: $SPOTRING_RUN_DIR)\n"
+              "job.checkpoint_uri=s3://...: $SPOTRING_CHECKPOINT_URI\n"
+              "job.max_project_mb=200: the project's size limit"),
     "run_id": ("run_id=ID", "the run (default: up and launch a new one, the others "
                             "the newest)"),
     "runs_dir": ("runs_dir=DIR", "where run directories are (default runs/launch)"),
     "project": ("project=NAME", "the `project` tag of every resource (default spotring)"),
-    "--": ("-- ARGS", "the trainer's overrides (spotring train --help), e.g.\n"
-                      "-- dataset=cifar10 train.epochs=30"),
+    "--": ("-- COMMAND | OVERRIDES", "your command, e.g. -- python train.py --lr 0.1,\n"
+                                     "or the trainer's overrides (spotring train --help),\n"
+                                     "e.g. -- dataset=cifar10 train.epochs=30"),
 }
 
 
@@ -142,7 +156,7 @@ def _parse(prog: str, ours: list[str], trainer_args: list[str]) -> argparse.Name
                         help="overrides of conf/launch.yaml (below)")
     args = parser.parse_intermixed_args(ours[1:])
     if trainer_args and "--" not in keys:
-        parser.error(f"takes no trainer arguments (after --: {' '.join(trainer_args)}); "
+        parser.error(f"takes nothing after -- (there: {' '.join(trainer_args)}); "
                      "`run`, `up` and `launch` do")
     args.command = command
     args.all_mine = getattr(args, "all_mine", False)
@@ -164,15 +178,21 @@ def _overrides_help(keys: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _command(args: argparse.Namespace, trainer_args: list[str]) -> int:
+def _command(args: argparse.Namespace, after_dashes: list[str]) -> int:
     cfg = config.compose(args.overrides)
+    trainer_args, command = split_command(after_dashes)
     cfg.job.args = [*cfg.job.args, *trainer_args]
+    cfg.job.command = command or list(cfg.job.command)
     command, run = args.command, _run_dir(args.command, cfg, args.all_mine)
     if run.config.exists():
         # `cost nodes=8 cluster.instance_types=[...]` prices another cluster than the run's.
         keep = [k for k in PRICED_ANEW if any(o.startswith(f"{k}=") for o in args.overrides)]
         cfg = config.with_saved_cluster(cfg, run.config, keep if command == "cost" else [])
+        if command == "run" and not after_dashes:  # the job `up` was given
+            cfg.job.args, cfg.job.command = config.saved_job(run.config)
     config.validate(cfg)
+    if args.command in ("up", "run", "launch"):  # what goes to the nodes
+        project.check(Path.cwd(), list(cfg.job.command), cfg.job.max_project_mb)
     provider = provider_for(cfg, run)
     if args.dry_run:
         log.info("\n".join(plan(command, cfg, run, provider)))

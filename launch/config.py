@@ -24,7 +24,7 @@ from trainer import config as trainer_config
 from trainer.config import compose_checked, one_of
 
 CLUSTERS = ("aws_spot", "local")
-LAUNCHERS = ("horovodrun", "mpirun", "torchrun")
+LAUNCHERS = ("horovodrun", "mpirun", "torchrun", "none")
 
 # ----------------------------------------------------------------------------- schemas
 
@@ -33,9 +33,15 @@ LAUNCHERS = ("horovodrun", "mpirun", "torchrun")
 class ClusterConfig:
     name: str = MISSING
     ssh_user: str = MISSING
-    # Shell command run in the workdir of every node before the job (install what the
-    # image lacks); empty: nothing to do.
+    # Shell command run in the workdir of every node before its environment is built
+    # (system packages the image lacks); empty: nothing to do.
     setup: str = ""
+    # The image's Python, under every node's .venv (launch/node_env.py): what it has
+    # installed (torch, say) is not installed again. None: the launcher's own (local).
+    python: str | None = None
+    # A node that comes later (a replacement) gets a copy of a built node's .venv instead
+    # of building its own.
+    copy_env: bool = True
     ssh_timeout_s: float = 300.0  # for sshd to answer on new nodes
     max_nodes: int = 16  # a guard against NODES=80 meant as 8
     # Recovery (launch/recover.py), two budgets counted apart: restarts after a
@@ -92,8 +98,16 @@ class LocalClusterConfig(ClusterConfig):
 
 @dataclass
 class JobConfig:
-    launcher: str = "horovodrun"  # horovodrun | mpirun | torchrun
+    launcher: str = "horovodrun"  # horovodrun | mpirun | torchrun | none (once per node)
     args: list[str] = field(default_factory=list)  # trainer overrides (also: after `--`)
+    # A command of the user's own instead of the trainer (also: after `--`, launch/contract.py)
+    command: list[str] = field(default_factory=list)
+    # Where rank 0 of the command writes, relative to the project (default: runs/<run id>,
+    # which $SPOTRING_RUN_DIR names and spotring.init writes to): brought back as job/.
+    results: str | None = None
+    checkpoint_uri: str | None = None  # s3://... : $SPOTRING_CHECKPOINT_URI of the command
+    # The project directory (where the launcher runs) goes to every node, up to this size.
+    max_project_mb: float = 200.0
 
 
 @dataclass
@@ -146,6 +160,12 @@ def with_saved_cluster(cfg: DictConfig, saved: Path, keep: list[str]) -> DictCon
     return cfg
 
 
+def saved_job(saved: Path) -> tuple[list[str], list[str]]:
+    """The trainer's arguments and the command a run was brought up with."""
+    job = OmegaConf.load(saved).job
+    return list(job.get("args", [])), list(job.get("command", []))
+
+
 # -------------------------------------------------------------------------- validation
 
 
@@ -171,7 +191,16 @@ def validate(cfg: DictConfig) -> None:
                  "e.g. {g5.xlarge: 1.006}"
                  for t, p in c.on_demand_prices.items() if p is None or p < 0]
     need(c.ssh_timeout_s > 0, f"cluster.ssh_timeout_s={c.ssh_timeout_s}: must be positive")
-    problems += _trainer_problems(list(cfg.job.args))
+    if cfg.job.command:
+        need(not cfg.job.args, f"job.args={list(cfg.job.args)} with job.command="
+             f"{list(cfg.job.command)}: the trainer's overrides or a command, not both")
+        results = cfg.job.results
+        need(results is None or not (Path(results).is_absolute() or ".." in Path(results).parts),
+             f"job.results={results}: a directory relative to the project, inside it")
+    else:
+        problems += _trainer_problems(list(cfg.job.args))
+    need(cfg.job.max_project_mb > 0,
+         f"job.max_project_mb={cfg.job.max_project_mb}: must be positive")
     if c.name == "aws_spot":
         problems += _aws_problems(c)
     elif c.name == "local":

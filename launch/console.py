@@ -9,7 +9,8 @@ from typing import TextIO
 
 
 def split_trainer_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """The command's own arguments, and the trainer's overrides after `--`."""
+    """The command's own arguments, and the words after `--` (a command, or the trainer's
+    overrides: launch.contract.split_command tells which)."""
     if "--" not in argv:
         return argv, []
     at = argv.index("--")

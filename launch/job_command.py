@@ -1,31 +1,37 @@
-"""The command that starts the trainer across the nodes, one per launcher (job.launcher).
+"""The command that starts a job across the nodes, one per launcher (job.launcher): the
+built-in trainer (`python -m trainer OVERRIDES`) or a command of the user's own (CMD).
 
 Each runs in the workdir (the same path on every node) with the node's .venv first on
-PATH; G is a node's slots (its GPUs), N*G all of them:
+PATH and the contract's variables (launch/contract.py) set; G is a node's slots (its
+GPUs), N*G all of them:
 
-    horovodrun  node 0   horovodrun --gloo -np N*G --hostfile hosts python -m trainer ...
-    mpirun      node 0   mpirun -np N*G --hostfile hosts --prefix .venv python -m trainer ...
+    horovodrun  node 0   horovodrun --gloo -np N*G --hostfile hosts CMD
+    mpirun      node 0   mpirun -np N*G --hostfile hosts --prefix .venv -x ... CMD
     torchrun    node i   torchrun --nnodes N --nproc-per-node G --node-rank i
-                                  --master-addr NODE0 -m trainer ...
+                                  --master-addr NODE0 --no-python CMD
+    none        node i   CMD, once per node, with NODE_RANK=i NNODES=N NPROC_PER_NODE=G
+                         MASTER_ADDR=NODE0 MASTER_PORT (for a launcher of the command's own)
 
-The engine follows the launcher (horovod under horovodrun and mpirun, ddp under
-torchrun) unless the trainer arguments name one. Rank 0 writes to runs/<run id> in node
-0's workdir, which `run` brings back.
+For the trainer, CMD is `python -m trainer hydra.run.dir=RUN_DIR ARGS`, whose engine
+follows the launcher (horovod under horovodrun and mpirun, ddp under torchrun) unless
+ARGS name one. Rank 0 writes to RUN_DIR (runs/<run id> in node 0's workdir, or
+job.results), which `run` brings back.
 """
 
 from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from launch.commands import LAUNCHER_ENV
+from launch.contract import RUN_DIR
 from launch.provider import Node
 from spotring.exits import DIVERGED, EXIT_DIVERGED, EXIT_PREEMPTED, PREEMPTED
 
-ENGINES = {"horovodrun": "horovod", "mpirun": "horovod", "torchrun": "ddp"}
-TORCHRUN_PORT = 29400
+ENGINES = {"horovodrun": "horovod", "mpirun": "horovod", "torchrun": "ddp", "none": "ddp"}
+TORCHRUN_PORT = 29400  # also MASTER_PORT under job.launcher=none
 HOROVOD_START_TIMEOUT_S = 120
 # The notes rank 0 leaves in its run dir (spotring/exits.py), and the exit code each says.
 NOTES = {PREEMPTED: EXIT_PREEMPTED, DIVERGED: EXIT_DIVERGED}
@@ -57,38 +63,54 @@ class JobCommand:
 
 
 def build(launcher: str, nodes: Sequence[Node], workdir: str, run_id: str,
-          args: Sequence[str]) -> JobCommand:
-    trainer = ["-m", "trainer", f"hydra.run.dir={results_dir(run_id)}", *args]
-    if not any(a.startswith("engine=") for a in args):
-        trainer.insert(2, f"engine={ENGINES[launcher]}")
+          args: Sequence[str], command: Sequence[str] = (), env: Mapping[str, str] | None = None,
+          results: str | None = None) -> JobCommand:
+    """The job on ``nodes``: the trainer with ``args``, or ``command`` where one is given;
+    ``env`` joins every process's environment; ``results``: rank 0's run directory,
+    relative to the workdir (default results_dir(run_id))."""
+    results = results or results_dir(run_id)
+    env = {RUN_DIR: f"{workdir}/{results}", **(env or {})}
+    if command:
+        program = [str(a) for a in command]
+    else:
+        program = ["python", "-m", "trainer", f"hydra.run.dir={results}", *args]
+        if not any(a.startswith("engine=") for a in args):
+            program.insert(3, f"engine={ENGINES[launcher]}")
     total = sum(n.slots for n in nodes)
     if launcher == "horovodrun":
         # --gloo: Horovod's Gloo controller needs nothing on the nodes but ssh, and its
         # rendezvous server also carries DDP's store address, so both engines run under it
-        # (job.launcher=mpirun for MPI's).
+        # (job.launcher=mpirun for MPI's). It passes this environment on to every rank.
         # --start-timeout: its ssh checks of every node take longer than its default 30 s
         # on a busy node 0 or with many nodes.
         commands = {0: ["horovodrun", "--gloo", "-np", total, "--hostfile", "hosts",
-                        "--start-timeout", HOROVOD_START_TIMEOUT_S, "python", *trainer]}
+                        "--start-timeout", HOROVOD_START_TIMEOUT_S, *program]}
     elif launcher == "mpirun":
-        # --prefix: the other nodes start Open MPI's daemon from the same .venv; -x PATH:
-        # their ranks find the same python (Open MPI passes on only what -x names).
+        # --prefix: the other nodes start Open MPI's daemon from the same .venv; -x: their
+        # ranks get the same PATH (python) and variables (Open MPI passes on only those).
         commands = {0: ["mpirun", "-np", total, "--hostfile", "hosts", "--prefix",
                         f"{workdir}/.venv", "--bind-to", "none",
-                        *[a for k in ("PATH", *LAUNCHER_ENV) for a in ("-x", k)],
-                        "python", *trainer]}
+                        *[a for k in ("PATH", *LAUNCHER_ENV, *env) for a in ("-x", k)],
+                        *program]}
     elif launcher == "torchrun":
         commands = {i: ["torchrun", "--nnodes", len(nodes), "--nproc-per-node", node.slots,
                         "--node-rank", i, "--master-addr", nodes[0].private_address,
-                        "--master-port", TORCHRUN_PORT, *trainer]
+                        "--master-port", TORCHRUN_PORT, "--no-python", *program]
                     for i, node in enumerate(nodes)}
+    elif launcher == "none":
+        node_env = {i: {"NODE_RANK": i, "NNODES": len(nodes), "NPROC_PER_NODE": node.slots,
+                        "MASTER_ADDR": nodes[0].private_address, "MASTER_PORT": TORCHRUN_PORT}
+                    for i, node in enumerate(nodes)}
+        return JobCommand(launcher, {i: _in_workdir(workdir, program, {**env, **node_env[i]})
+                                     for i in node_env})
     else:
         raise ValueError(f"job.launcher={launcher}")
-    return JobCommand(launcher, {i: _in_workdir(workdir, argv) for i, argv in commands.items()})
+    return JobCommand(launcher, {i: _in_workdir(workdir, argv, env)
+                                 for i, argv in commands.items()})
 
 
-def _in_workdir(workdir: str, argv: list) -> str:
-    env = " ".join(f"{k}={v}" for k, v in LAUNCHER_ENV.items())
+def _in_workdir(workdir: str, argv: list, env: Mapping[str, object]) -> str:
+    env = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in {**LAUNCHER_ENV, **env}.items())
     words = " ".join(shlex.quote(str(a)) for a in argv)
     venv = shlex.quote(f"{workdir}/.venv/bin")
     return f'cd {shlex.quote(workdir)} && PATH={venv}:"$PATH" {env} exec {words}'

@@ -21,14 +21,15 @@ Prices: a spot node's is the spot price in its zone when it launched (EC2's spot
 history; the price can move while it runs, the ledger keeps the launch price); an
 on-demand node's is cluster.on_demand_prices of its type (list prices in
 conf/cluster/aws_spot.yaml; the EC2 API has none); a local node's is cluster.price
-(default 0: this machine bills nothing). Billing is EC2's for Linux: per second with a
-60-second minimum per instance, and likewise for each node's gp3 volume
+(default 0: this machine bills nothing). Billing is EC2's for Linux: per whole second
+(a second begun is billed) with a 60-second minimum per instance, and likewise for each node's gp3 volume
 (cluster.volume_gb at cluster.volume_usd_per_gb_month, a month being 730 hours).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict
 
@@ -37,7 +38,7 @@ from omegaconf import OmegaConf
 from launch.provider import Node
 from launch.rundir import RunDir, write_json
 
-MINIMUM_S = 60.0  # EC2's minimum charge per instance (and per volume), per-second after
+MINIMUM_S = 60  # EC2's minimum charge per instance (and per volume), per-second after
 HOURS_PER_MONTH = 730.0  # AWS's month for prorating GB-month prices
 
 
@@ -68,7 +69,7 @@ def write(run: RunDir) -> dict:
 
 def _node(node: Node, end: float | None, now: float, on_demand: dict[str, float],
           volume_gb: int, volume_rate: float) -> dict:
-    billed = max(MINIMUM_S, (end or now) - node.launched_at)
+    billed = max(MINIMUM_S, math.ceil((end or now) - node.launched_at))
     price, source = node.price, "the spot price at launch"
     if node.lifecycle == "local":
         source = "cluster.price"

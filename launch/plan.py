@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 from omegaconf import DictConfig
 
-from launch import job_command
+from launch import project
 from launch.provider import Node, Provider
+from launch.run import job_for, results_of
 from launch.rundir import RunDir
 
 
@@ -22,16 +26,22 @@ def plan(command: str, cfg: DictConfig, run: RunDir, provider: Provider) -> list
         # gives) are known only after `up`; the command is shown for one slot each.
         nodes = [Node(f"node-{i}", f"NODE{i}", f"NODE{i}", 1, "", "", "")
                  for i in range(cfg.nodes)]
-        job = job_command.build(cfg.job.launcher, nodes, provider.workdir, run.id,
-                                list(cfg.job.args))
-        lines += [f"run       copy the code (the files git knows) to {provider.workdir} "
-                  "on every node; hostfiles, key and known_hosts to node 0",
-                  "run       setup on every node: " + (cfg.cluster.setup or "(none)")]
+        job = job_for(cfg, run, provider, nodes)
+        files = project.files(Path.cwd())
+        size = sum(p.stat().st_size for p in files.values()) / 2**20
+        lines += [f"run       copy the project {Path.cwd()} ({len(files)} files, {size:.1f} MB) "
+                  f"to {provider.workdir} on every node; hostfiles to node 0, the run's key "
+                  "and known_hosts to every node",
+                  "run       setup on every node: " + (cfg.cluster.setup or "(none)"),
+                  f"run       then its .venv on top of {cfg.cluster.python or sys.executable}: "
+                  "spotring at this version, the project's requirements ("
+                  + (" ".join(project.requirements(Path.cwd())) or "none") + "); built once, "
+                  "copied to the nodes that come later"]
         lines += [f"run       on node {i}: {cmd}" for i, cmd in job.commands.items()]
         lines.append("run       (shown with 1 slot per node; `up` writes each node's GPUs "
                      "into hosts, and -np is their sum)")
-        lines.append(f"run       bring back {job_command.results_dir(run.id)} (logs, "
-                     f"metrics, TensorBoard, summary, final checkpoint) to {run.job}")
+        lines.append(f"run       bring back {results_of(cfg, run)} (logs, metrics, "
+                     f"TensorBoard, summary, final checkpoint) to {run.job}")
     if command in ("down", "launch"):
         lines.append("down      delete everything tagged or named with the run id: instances "
                      "and fleets, launch template, placement group, security group, key pair")

@@ -1,7 +1,8 @@
 """`launch` on spot nodes: run the job, and when nodes are taken away, get nodes again
 and resume, within two budgets counted apart.
 
-    run the job (the trainer's resume=auto picks up the newest checkpoint)
+    run the job (the trainer's resume=auto, or the command's own restore, picks up the
+    newest checkpoint; a command that keeps none starts again from the beginning)
     exit 0                            done
     exit 75: preempted (a spot        a preemption, up to cluster.max_preemptions: wait
     notice or SIGTERM reached the     (up to cluster.notice_wait_s) for the noticed node
@@ -62,13 +63,16 @@ _OWN_ARGS = ("resume=", "train.batch_size=", "train.accumulation=")
 def supervise(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
     """Run the job on the run's nodes until it ends; replace lost nodes between tries.
     Returns the last try's exit code; the last line logged says what each budget spent."""
-    batch = _batch(cfg.job.args)
+    command = list(cfg.job.command)  # a command of the user's own keeps its global batch
+    batch = None if command else _batch(cfg.job.args)
     workers = sum(n.slots for n in run.nodes())
     c = cfg.cluster
-    if (c.max_restarts or c.max_preemptions) and not any(
-            a.startswith("checkpoint.uri=") for a in cfg.job.args):
+    in_s3 = cfg.job.checkpoint_uri if command else any(
+        a.startswith("checkpoint.uri=") for a in cfg.job.args)
+    if (c.max_restarts or c.max_preemptions) and not in_s3:
         log.info("recover: checkpoints stay on node 0; should node 0 itself be lost, the job "
-                 "starts over. checkpoint.uri=s3://bucket/prefix keeps them in S3 instead")
+                 "starts over. %s=s3://bucket/prefix keeps them in S3 instead",
+                 "job.checkpoint_uri" if command else "checkpoint.uri")
     budgets = {PREEMPTION: c.max_preemptions, FAILURE: c.max_restarts}
     spent = dict.fromkeys(budgets, 0)
     try:
@@ -100,8 +104,9 @@ def supervise(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
                      budgets[cause], _BUDGET_KEYS[cause], _ended(code, outcome, unreachable),
                      ", ".join(n.id for n in lost) or "no node (every node still runs)")
             now = _replace(cfg, run, provider, lost)
-            cfg.job.args = _restart_args(cfg.job.args, batch, workers,
-                                         sum(n.slots for n in now))
+            if batch is not None:
+                cfg.job.args = _restart_args(cfg.job.args, batch, workers,
+                                             sum(n.slots for n in now))
     finally:
         log.info("recover: the run spent %s", ", ".join(
             f"{spent[k]} of {budgets[k]} {k}s (cluster.{_BUDGET_KEYS[k]})" for k in budgets))

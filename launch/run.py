@@ -1,13 +1,18 @@
-"""`run`: the code onto the nodes, the trainer across them, the results back.
+"""`run`: the project onto the nodes, the job across them, the results back.
 
-    1. push the code into every node's workdir; hostfiles, key, known_hosts to node 0
-    2. cluster.setup on every node (on EC2 this builds the node's .venv)
-    3. the job command (launch.job_command) on node 0, or on every node for torchrun;
-       node 0's output streams here and into job.log, the others' into job-node-I.log
-    4. runs/<run id> back from node 0 into the run dir's job/, also after a failure
+    1. push the project (the directory the launcher runs in: launch/project.py) and the
+       environment's files (launch/node_env.py) into every node's workdir; hostfiles to
+       node 0; the run's key and known_hosts to every node
+    2. cluster.setup on every node, then its .venv: built, copied from a node that has
+       it, or already there (launch/node_env.py); each node's output in setup-<id>.log
+    3. the job command (launch.job_command: the trainer or the user's command) on node
+       0, or on every node for torchrun and none; node 0's output streams here and into
+       job.log, the others' into job-node-I.log
+    4. rank 0's run directory back from node 0 into the run dir's job/, also after a
+       failure
 
-Returns the trainer's exit code: 0 done, 1 failed, 2 bad input, 65 diverged, 69 a rank
-was lost, 75 preempted (see trainer/job.py).
+Returns the job's exit code: 0 done, 1 failed, 2 bad input, 65 diverged, 69 a rank was
+lost, 75 preempted (spotring/exits.py); a failure's last lines are logged with it.
 """
 
 from __future__ import annotations
@@ -19,14 +24,15 @@ import sys
 import tarfile
 from collections import deque
 from contextlib import ExitStack
+from pathlib import Path
 
 from omegaconf import DictConfig
 
-from launch import job_command, sync
+from launch import contract, job_command, node_env, project, sync, wheel
 from launch.provider import Node, Provider
 from launch.rundir import RunDir
 from launch.ssh import RemoteError, Ssh
-from spotring.exits import ConfigError
+from spotring.exits import ConfigError, Outcome, classify
 
 log = logging.getLogger("launch")
 
@@ -35,9 +41,42 @@ def ssh_for(cfg: DictConfig, run: RunDir) -> Ssh:
     return Ssh(cfg.cluster.ssh_user, run.key, run.known_hosts)
 
 
+def results_of(cfg: DictConfig, run: RunDir) -> str:
+    """Rank 0's run directory, relative to node 0's workdir."""
+    return cfg.job.results or job_command.results_dir(run.id)
+
+
 def job_for(cfg: DictConfig, run: RunDir, provider: Provider,
             nodes: list[Node]) -> job_command.JobCommand:
-    return job_command.build(cfg.job.launcher, nodes, provider.workdir, run.id, list(cfg.job.args))
+    results = results_of(cfg, run)
+    env = contract.environment(run.id, f"{provider.workdir}/{results}", len(run.tries()),
+                               cfg.job.checkpoint_uri)
+    return job_command.build(cfg.job.launcher, nodes, provider.workdir, run.id,
+                             list(cfg.job.args), list(cfg.job.command), env, results)
+
+
+def prepare(cfg: DictConfig, run: RunDir, provider: Provider, nodes: list[Node],
+            ssh: Ssh) -> None:
+    """Steps 1 and 2 of the module docstring: the nodes ready to start the job."""
+    root = Path.cwd()
+    launcher, command = cfg.job.launcher, list(cfg.job.command)
+    # Horovod where horovodrun starts the job, or the trainer's engine follows mpirun.
+    horovod = launcher == "horovodrun" or (launcher == "mpirun" and not command)
+    env = node_env.Environment.of(
+        wheel.build(run.path / "dist"), root, project.requirements(root),
+        cfg.cluster.python or sys.executable,
+        ["mpi", "horovod"] if horovod else ["mpi"] if launcher == "mpirun" else [],
+        horovod, cfg.cluster.setup)
+    files = project.files(root)
+    sync.push(ssh, nodes, provider.workdir, run, files | env.files)
+    log.info("run: copied %d files of %s to %s on %d nodes", len(files), root,
+             provider.workdir, len(nodes))
+    if cfg.cluster.setup:
+        log.info("run: setting the nodes up: %s", cfg.cluster.setup)
+        sync.setup(ssh, nodes, provider.workdir, cfg.cluster.setup)
+    how = node_env.prepare(ssh, nodes, provider.workdir, env, cfg.cluster.copy_env, run.path)
+    for i, node in enumerate(nodes):
+        log.info("run: node %d (%s): environment %s %s", i, node.id, env.key, how[node.id])
 
 
 def run(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
@@ -47,12 +86,8 @@ def run(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
                           "run with `spotring up` or `spotring launch`")
     ssh = ssh_for(cfg, run)
     job = job_for(cfg, run, provider, nodes)
-    count = sync.push(ssh, nodes, provider.workdir, run)
-    log.info("run: copied %d files to %s on %d nodes", count, provider.workdir, len(nodes))
-    if cfg.cluster.setup:
-        log.info("run: setting the nodes up: %s", cfg.cluster.setup)
-        sync.setup(ssh, nodes, provider.workdir, cfg.cluster.setup)
-    results = shlex.quote(f"{provider.workdir}/{job_command.results_dir(run.id)}")
+    prepare(cfg, run, provider, nodes, ssh)
+    results = shlex.quote(f"{provider.workdir}/{results_of(cfg, run)}")
     # Rank 0's notes from a try before this one.
     ssh.run(nodes[0], "rm -f " + " ".join(f"{results}/{note}" for note in job_command.NOTES))
     for note in job_command.NOTES:
@@ -62,19 +97,24 @@ def run(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
         status = _start(ssh, nodes, run, job.commands)
     except BaseException:
         try:  # what there is, without hiding why the job stopped
-            _bring_back(ssh, nodes[0], provider.workdir, run)
+            _bring_back(ssh, nodes[0], provider.workdir, run, results_of(cfg, run))
         except (RemoteError, OSError, tarfile.TarError) as e:
             log.info("run: could not bring the results back: %s", e)
         raise
-    _bring_back(ssh, nodes[0], provider.workdir, run)
+    _bring_back(ssh, nodes[0], provider.workdir, run, results_of(cfg, run))
     note = next((n for n in job_command.NOTES if (run.job / n).exists()), None)
     code = job.exit_code(*status, note=note)
-    log.info("run: the job exited with code %d", code)
+    if classify(code) not in (Outcome.DONE, Outcome.PREEMPTED):  # why, where it is read
+        last = "\n".join("  " + line for line in status[1].splitlines()[-10:])
+        log.info("run: the job exited with code %d (%s); its last lines on node 0:\n%s",
+                 code, classify(code).what, last)
+    else:
+        log.info("run: the job exited with code %d", code)
     return code
 
 
-def _bring_back(ssh: Ssh, node: Node, workdir: str, run: RunDir) -> None:
-    names = sync.fetch(ssh, node, workdir, job_command.results_dir(run.id), run.job)
+def _bring_back(ssh: Ssh, node: Node, workdir: str, run: RunDir, results: str) -> None:
+    names = sync.fetch(ssh, node, workdir, results, run.job)
     if names:
         log.info("run: brought back %d files to %s", len(names), run.job)
     else:

@@ -10,6 +10,7 @@ StrictHostKeyChecking=no by themselves; that is Horovod's choice, not ours.)
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -83,18 +84,25 @@ class Ssh:
 
     def __init__(self, user: str, key: Path, known_hosts: Path):
         self.user = user
-        self.options = [
-            "-i", str(key), "-o", "IdentitiesOnly=yes",
-            "-o", f"UserKnownHostsFile={known_hosts}", "-o", "StrictHostKeyChecking=yes",
-            "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=30",
-            "-o", "LogLevel=ERROR",
+        self.common = [
+            "-o", "IdentitiesOnly=yes", "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes",
+            "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=30", "-o", "LogLevel=ERROR",
         ]
+        self.options = ["-i", str(key), "-o", f"UserKnownHostsFile={known_hosts}", *self.common]
 
     def argv(self, node: Node, command: str, tty: bool = False) -> list[str]:
         # A pty (-tt) ties the remote command to this connection: when it closes (Ctrl-C
         # here), sshd hangs the command up instead of leaving it running on the node.
         return ["ssh", *self.options, *(["-tt"] if tty else []), f"{self.user}@{node.address}",
                 command]
+
+    def between(self, target: Node, command: str) -> str:
+        """The shell command by which a node runs ``command`` on ``target``, over the
+        private network, with the run's key and known_hosts that `run` gave every node."""
+        return " ".join(["ssh", "-i", "~/.ssh/id_ed25519", "-o",
+                         "UserKnownHostsFile=~/.ssh/known_hosts", *self.common,
+                         shlex.quote(f"{self.user}@{target.private_address}"),
+                         shlex.quote(command)])
 
     def run(self, node: Node, command: str, input: bytes | None = None,
             check: bool = True) -> subprocess.CompletedProcess:

@@ -1,13 +1,14 @@
-"""Code and config to the nodes, results back, all through the run's ssh.
+"""Files to the nodes, results back, all through the run's ssh.
 
-    push    the project's files, as git sees them (tracked, plus untracked ones git does
-            not ignore; so .venv, runs/ and caches stay here), as one tar stream into the
-            workdir of every node. To node 0 also the hostfiles, and the run's key and
-            known_hosts as its ~/.ssh/id_ed25519 and ~/.ssh/known_hosts: node 0 starts
-            the ranks on the others over ssh.
+    push    the project's files and the environment's (launch/project.py,
+            launch/node_env.py), as one tar stream into the workdir of every node. To
+            node 0 also the hostfiles; to every node the run's key and known_hosts as its
+            ~/.ssh/id_ed25519 and ~/.ssh/known_hosts: node 0 starts the ranks on the
+            others over ssh, and any node may copy its .venv to a new one.
     setup   cluster.setup in the workdir of every node, all at once
-    fetch   runs/<run id> from node 0 into the run dir's job/: train.log, metrics.jsonl,
-            tensorboard/, summary.json, .hydra/, and of the checkpoints only the newest
+    fetch   rank 0's run directory from node 0 into the run dir's job/: the logs,
+            metrics.jsonl, tensorboard/, summary.json, and of the checkpoints only the
+            newest
 """
 
 from __future__ import annotations
@@ -22,20 +23,6 @@ from pathlib import Path
 from launch.provider import Node
 from launch.rundir import RunDir
 from launch.ssh import RemoteError, Ssh, on_each
-from spotring.exits import ConfigError
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def code_files(repo: Path = REPO) -> list[str]:
-    try:
-        out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others",
-                              "--exclude-standard"], capture_output=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise ConfigError(f"{repo}: the launcher copies the files git knows, and git "
-                          f"cannot list them here ({e}); run it from a git checkout") from e
-    # Files deleted in the working tree are still listed (--cached) until committed.
-    return [f for f in out.decode().split("\0") if f and (repo / f).is_file()]
 
 
 def tar(files: dict[str, Path], mode: int | None = None) -> bytes:
@@ -52,17 +39,20 @@ def tar(files: dict[str, Path], mode: int | None = None) -> bytes:
     return buf.getvalue()
 
 
-def push(ssh: Ssh, nodes: Sequence[Node], workdir: str, run: RunDir) -> int:
-    """Returns the number of files copied to each node."""
-    files = code_files()
-    code = tar({f: REPO / f for f in files})
+def push(ssh: Ssh, nodes: Sequence[Node], workdir: str, run: RunDir,
+         files: dict[str, Path]) -> None:
+    """``files`` (name in the workdir -> file here) to every node, and the rest above."""
+    code = tar(files)
+    keys = tar({"id_ed25519": run.key, "known_hosts": run.known_hosts}, mode=0o600)
     wd = shlex.quote(workdir)
-    on_each(nodes, lambda n: ssh.run(n, f"mkdir -p {wd} && tar -xzmf - -C {wd}", input=code))
+
+    def give(node: Node) -> None:
+        ssh.run(node, f"mkdir -p {wd} && tar -xzmf - -C {wd}", input=code)
+        ssh.run(node, "mkdir -p -m 700 ~/.ssh && tar -xzmf - -C ~/.ssh", input=keys)
+
+    on_each(nodes, give)
     ssh.run(nodes[0], f"tar -xzmf - -C {wd}",
             input=tar({"hosts": run.hosts, "hosts.mpich": run.hosts_mpich}))
-    ssh.run(nodes[0], "mkdir -p -m 700 ~/.ssh && tar -xzmf - -C ~/.ssh",
-            input=tar({"id_ed25519": run.key, "known_hosts": run.known_hosts}, mode=0o600))
-    return len(files)
 
 
 def setup(ssh: Ssh, nodes: Sequence[Node], workdir: str, command: str) -> None:

@@ -30,7 +30,8 @@ from pathlib import Path
 from launch.rundir import RunDir
 from spotring.exits import PREEMPTED
 
-_RESUMED = re.compile(r"resumed at step (\d+)")  # the trainer's line (trainer/loop.py)
+# The trainer's line (trainer/loop.py) and the library's (spotring/job.py: restore).
+_RESUMED = re.compile(r"resumed (?:from \S+ )?at step (\d+)")
 
 
 def outcome(run: RunDir, started_at: float, nodes: list[str], code: int | None) -> dict:

@@ -119,10 +119,23 @@ def init(*, engine: str = "ddp", backend: str = "auto", device: str = "auto",
     except ConfigError as e:
         report_bad_input(e, launch.rank, launch.world_size)
         sys.exit(EXIT_CONFIG)
+    _announce(launch.rank)
     runtime.set_threads(threads, launch.local_world_size)
     runtime.seed_all(seed)
     notices = SimpleNamespace(imds=imds, poll_seconds=5.0, check_every_steps=check_every_steps)
     return Job(launch, options, torch_device, run_dir, checkpoints, notices, seed)
+
+
+def _announce(rank: int) -> None:
+    """spotring's lines on stderr ("resumed from ... at step N", checkpoints), rank 0's
+    only, where the script configured no logging of its own: what a launcher shows, and
+    what `spotring launch` reads a resumed step from."""
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("spotring: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
 def _check_choice(name: str, value: str, valid: tuple[str, ...]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import re
 import shlex
@@ -245,9 +246,9 @@ def test_a_preempted_node_and_a_vanished_one_are_replaced_and_billed(tmp_path, u
     for n in ledger["nodes"]:
         assert n["launched_at"] == provided[n["id"]]["launched_at"]
         assert n["terminated_at"] == ends[n["id"]]
-        seconds = max(60.0, ends[n["id"]] - n["launched_at"])
+        seconds = max(60, math.ceil(ends[n["id"]] - n["launched_at"]))  # whole seconds
         assert n["usd"] == pytest.approx(price * seconds / 3600, rel=1e-9)
-    total = sum(price * max(60.0, ends[i] - launched[i]) / 3600 for i in ends)
+    total = sum(price * max(60, math.ceil(ends[i] - launched[i])) / 3600 for i in ends)
     assert ledger["totals"]["usd"] == pytest.approx(total, rel=1e-9)
     assert ledger["totals"]["on_demand_usd"] == pytest.approx(total * on_demand / price)
     assert ledger["totals"]["usd_per_1000_steps"] == pytest.approx(total / 120 * 1000)

@@ -50,7 +50,7 @@ def test_ddp_under_horovodrun_with_hosts(tmp_path):
 @pytest.mark.slow
 def test_horovodrun_as_horovods_documentation_starts_a_job(tmp_path):
     # No --gloo: horovodrun picks its MPI controller and starts Open MPI 5's mpirun, which
-    # reads the command line only with tools/horovod-openmpi5.patch built in. Typed as users
+    # reads the command line only with launch/node/horovod-openmpi5.patch built in. Typed as users
     # type it: the launcher and the program found on PATH (the venv's bin first).
     run = launch(["horovodrun", "-np", "2", "-H", "localhost:2", "spotring", "train",
                   *short_run(tmp_path, "engine=horovod")], tmp_path)

@@ -44,7 +44,7 @@ def run(tmp_path) -> RunDir:
                                 "volume_usd_per_gb_month": 0.08,
                                 "on_demand_prices": {"g5.xlarge": 1.006}}}, run.config)
     first, second = node(0, "spot", T0, 0.40), node(1, "spot", T0, 0.40)
-    new = node(2, "on-demand", T0 + 75, None)
+    new = node(2, "on-demand", T0 + 75.4, None)  # up 3524.6 s: 3525 whole seconds billed
     run.save_nodes([first, second])
     run.retire([second], at=T0 + 30)
     run.save_nodes([first, new])
@@ -68,7 +68,7 @@ def test_nodes_are_billed_by_the_second_with_a_minute_at_least(run):
     assert (kept["billed_s"], kept["usd"]) == (3600.0, pytest.approx(0.40))
     # On demand: the list price of cluster.on_demand_prices, for 3525 s.
     assert (new["usd_per_hour"], new["price_from"]) == (1.006, "cluster.on_demand_prices")
-    assert new["usd"] == pytest.approx(1.006 * 3525 / 3600)
+    assert (new["billed_s"], new["usd"]) == (3525, pytest.approx(1.006 * 3525 / 3600))
     # 100 GB of gp3 at $0.08 per GB-month of 730 hours, per node-second.
     volumes = 100 * 0.08 / 730 * (60 + 3600 + 3525) / 3600
     totals = bill["totals"]

@@ -44,7 +44,7 @@ class LocalCluster(Provider):
             f"pair to the bridge, an address (.{FIRST_HOST}, .{FIRST_HOST + 1}, ...), a "
             "hostname and an sshd (host key made here, the run's key authorized)",
             f"each node sees its own workdir at {self.workdir}, its own ~/.ssh and "
-            f"/etc/hosts, and this machine's .venv ({sys.prefix}) linked into the workdir",
+            f"/etc/hosts; its image's Python is this one ({sys.executable})",
             f"{self.cfg.slots} slot(s) per node; "
             + (f"priced at ${self.cfg.price}/hour each (cluster.price, a rehearsal: this "
                "machine bills nothing)" if self.cfg.price else "no price (this machine)"),
@@ -84,8 +84,6 @@ class LocalCluster(Provider):
                        f"{address}/{net.prefixlen}")
         node_dir = self.run.path / "nodes" / f"node-{i}"
         sshd.prepare(node_dir, address, hostname, self.run.key.with_suffix(".pub").read_text())
-        # The node's "image": this machine's environment, where the AWS image builds its own.
-        (node_dir / "work" / ".venv").symlink_to(sys.prefix)
         sshd.start(ns, node_dir, hostname, Path(self.workdir), self.cfg.ssh_user)
         return Node(id=ns, address=address, private_address=address, slots=self.cfg.slots,
                     type="netns", zone="local", lifecycle="local", launched_at=time.time(),

@@ -1,0 +1,104 @@
+"""A user's own training script, as the launcher, SLURM and sweep tests write it into an
+otherwise empty project directory: the library API (`import spotring`) around a float64
+least-squares model, so that N workers end with one worker's parameters to 1e-10.
+
+    python train.py --steps 40 --lr 0.1 --batch 8 --sleep 0 --save-every 10
+
+It checkpoints every --save-every steps, stops on a spot notice or SIGTERM with exit 75,
+resumes from its newest checkpoint, logs a train record every step and a test record
+at every epoch end (what `spotring sweep` prunes on), and ends with summary.json holding
+``test_loss`` and ``weights``. ``PLAIN`` is a script that does not use the library.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+TRAIN_PY = '''\
+import argparse
+import time
+
+import torch
+
+import spotring
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=40)
+p.add_argument("--lr", type=float, default=0.1)
+p.add_argument("--batch", type=int, default=8)
+p.add_argument("--sleep", type=float, default=0.0)
+p.add_argument("--save-every", type=int, default=10)
+args = p.parse_args()
+
+g = torch.Generator().manual_seed(0)
+x = torch.randn(64, 4, generator=g, dtype=torch.float64)
+w = torch.tensor([1.0, -2.0, 3.0, 0.5], dtype=torch.float64)
+y = x @ w + 0.1 * torch.randn(64, generator=g, dtype=torch.float64)
+data = torch.utils.data.TensorDataset(x, y)
+
+with spotring.init(seed=0) as job:
+    model = torch.nn.Linear(4, 1, dtype=torch.float64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    loader = job.loader(data, args.batch)
+    model, optimizer = job.wrap(model, optimizer)
+    job.track(model=model, optimizer=optimizer, loader=loader)
+    job.restore()
+    epochs = -(-args.steps // len(loader.batch_sampler))
+    for epoch in loader.epochs(epochs):
+        for xb, yb in loader:
+            loss = ((model(xb).squeeze(1) - yb) ** 2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            job.log("train", loss=loss.item())
+            if job.should_stop():
+                job.save_and_exit()
+            if job.step_count % args.save_every == 0:
+                job.save()
+            time.sleep(args.sleep)
+            if job.step_count == args.steps:
+                break
+        with torch.no_grad():
+            test_loss = ((model(x).squeeze(1) - y) ** 2).mean().item()
+        job.log("test", loss=test_loss)
+        if job.step_count == args.steps:
+            break
+    plain = job.unwrap(model)
+    weights = [*plain.weight.detach().flatten().tolist(), *plain.bias.detach().tolist()]
+    print(f"trained {job.step_count} steps on {job.world_size} workers: test loss {test_loss}")
+    job.finish(test_loss=test_loss, weights=weights)
+'''
+
+PLAIN = '''\
+import socket
+import sys
+from pathlib import Path
+
+print(f"hello from {socket.gethostname()}: {' '.join(sys.argv[1:])}")
+Path("out").mkdir(exist_ok=True)
+Path("out/result.txt").write_text("made on the node\\n")
+'''
+
+
+def write_project(root: Path, **files: str) -> Path:
+    """``root`` holding train.py and any other ``files`` (name -> text)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "train.py").write_text(TRAIN_PY)
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def reference(tmp: Path, *args: str) -> dict:
+    """summary.json of the script run alone, uninterrupted, with ``args``."""
+    project = write_project(tmp)
+    out = tmp / "reference"
+    proc = subprocess.run([sys.executable, "train.py", *args], cwd=project, text=True,
+                          capture_output=True, env={"SPOTRING_RUN_DIR": str(out),
+                                                    "PATH": "/usr/bin:/bin"}, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text())

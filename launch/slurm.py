@@ -1,30 +1,47 @@
-"""spotring sbatch: the trainer as a SLURM batch job that survives preemption.
+"""spotring sbatch: the trainer, or a command of the user's own, as a SLURM batch job that
+survives preemption.
 
     spotring sbatch nodes=2 gpus_per_node=8 partition=gpu time=12:00:00 -- dataset=cifar10
+    spotring sbatch nodes=2 gpus_per_node=8 -- python train.py --epochs 3   a command
     spotring sbatch nodes=4 min_nodes=2 -- ...    may come back on 2 to 4 nodes after a
                                                   requeue, with the same global batch
     spotring sbatch nodes=2 --dry-run             print the script; submit nothing
 
-It writes RUN_DIR/sbatch.sh (run_dir: runs/slurm/JOB_NAME, which must be on storage every
-node shares, or give the trainer checkpoint.uri=s3://...) and submits it. The script
-asks SLURM for:
+After `--`, the trainer's overrides or a command (launch.contract.split_command). It
+writes RUN_DIR/sbatch.sh (run_dir: runs/slurm/JOB_NAME, which must be on storage every
+node shares, or give the trainer checkpoint.uri=s3://..., a command checkpoint_uri=) and
+submits it. The script asks SLURM for:
 
+    --cpus-per-task, --mem  cpus_per_task CPUs and mem_per_task memory for every task
+                            (--mem: per node, tasks x mem_per_task); srun is given
+                            --cpus-per-task too, which it no longer takes from sbatch (22.05)
     --requeue               a job whose node failed (NODE_FAIL) goes back in the queue
     --signal=TERM@S         SIGTERM to every task S seconds before the time limit
                             (signal=USR1: SIGUSR1, which the trainer takes the same way)
     --open-mode=append      one log, RUN_DIR/slurm-JOBID.out, across requeues
-    --nodes=MIN-MAX         with min_nodes; per node --mincpus=TASKS rather than
+    --nodes=MIN-MAX         with min_nodes; per node --mincpus=TASKS x CPUS rather than
                             --ntasks-per-node, which would start it on MIN nodes
 
-and runs `srun python -m trainer resume=auto ...`: one task per GPU (or tasks_per_node
-on CPUs), the process group formed from SLURM's variables (spotring/runtime.py). SIGTERM
-or SIGUSR1, from the time limit, `scancel --signal=TERM JOBID` or a preempting partition,
-is a spot notice to the trainer: a checkpoint at once, exit 75, and the script requeues the
-job, which resumes from the checkpoint (also after a lost rank; up to max_restarts times).
+and runs `srun python -m trainer resume=auto ...`, or `srun CMD` word for word in the
+submit directory: one task per GPU (or tasks_per_node on CPUs), the process group formed
+from SLURM's variables (spotring/runtime.py), with the contract's variables
+(launch/contract.py): SPOTRING_RUN_ID the job id (the same across requeues),
+SPOTRING_RUN_DIR, SPOTRING_RESTART SLURM's restart count, SPOTRING_CHECKPOINT_URI. Open
+MPI's consent to run as root is exported only where the job runs as root.
+
+SIGTERM or SIGUSR1, from `scancel --signal=TERM JOBID`, a preempting partition or the time
+limit, is a spot notice to the trainer (and to a script on spotring.init): a checkpoint at
+once, exit 75, and the script requeues the job, which resumes from the checkpoint (also
+after a lost rank; up to max_restarts times). A stop at the time limit (the job's end was
+within signal_s + 60 s: SLURM signals up to a minute early) is not requeued unless
+requeue_at_time_limit=true, so the job holds its nodes no longer than the user asked:
+(1 + max_restarts) x time x nodes at most, which the script's header and the command say.
+A run past max_restarts (SLURM's own requeues after NODE_FAIL count) does not start.
 On fewer nodes the trainer keeps the global batch (train.global_batch) with more
-accumulation; a node range whose counts cannot share it is refused at submission. A
-signal for the batch shell (`--signal=B:...`, `scancel --full`) would end srun and the job
-with it: the signal goes to the tasks, which is SLURM's default.
+accumulation; a node range whose counts cannot share it is refused at submission (a
+command keeps its own: spotring's job.loader does on any world size). A signal for the
+batch shell (`--signal=B:...`, `scancel --full`) would end srun and the job with it: the
+signal goes to the tasks, which is SLURM's default.
 
 srun returns the highest exit status of its tasks (128+N for a task ended by signal N).
 It runs with --kill-on-bad-exit=0: a rank that exits 75 first must not have srun SIGTERM
@@ -39,13 +56,15 @@ spotring.exits.classify calls transient. A crash of one rank can still come back
 from the others: it is requeued, max_restarts times at most.
 
 Bad input exits 2 before anything is submitted: no sbatch here, more tasks per node than
-GPUs, an option or partition SLURM refuses (`sbatch --test-only` says which).
+GPUs, a time or memory SLURM would not read, `python X.py` with no X.py in the submit
+directory, an option or partition SLURM refuses (`sbatch --test-only` says which).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import re
 import shlex
 import shutil
 import subprocess
@@ -57,9 +76,10 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
+from launch import contract, project
 from launch.commands import LAUNCHER_ENV
 from launch.console import split_trainer_args
-from spotring.exits import CODES, EXIT_CONFIG, EXIT_FAILED, ConfigError
+from spotring.exits import CODES, EXIT_CONFIG, EXIT_FAILED, EXIT_PREEMPTED, ConfigError
 from spotring.global_batch import split_global_batch
 from trainer import config as trainer_config
 from trainer.config import compose_checked, one_of
@@ -70,6 +90,16 @@ SIGNALS = ("TERM", "USR1")
 # 128 + N for a task ended by signal N among them. Not a plain failure: the script cannot
 # tell a bug that would fail the same way again.
 REQUEUE = {code: outcome for code, outcome in CODES.items() if outcome.transient}
+# SLURM may send the --signal warning up to this much earlier than signal_s before the
+# end: a transient exit within signal_s + this of the end is the time limit's.
+SIGNAL_EARLY_S = 60
+# The contract's values the script expands at run time: the job id, the same across
+# requeues, and SLURM's count of them.
+JOB_ID, RESTART_COUNT = "$SLURM_JOB_ID", "${SLURM_RESTART_COUNT:-0}"
+# Open MPI's consent to run as root (launch.commands): only for a job that runs as root.
+AS_ROOT = {k: v for k, v in LAUNCHER_ENV.items() if k.startswith("OMPI_ALLOW_RUN_AS_ROOT")}
+TIMES = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS"
+MEMORY = re.compile(r"(\d+)([KMGT]?)")
 
 log = logging.getLogger("launch")
 
@@ -80,6 +110,10 @@ class SbatchConfig:
     min_nodes: int | None = None  # may restart on as few as this many nodes
     gpus_per_node: int = 0  # 0: CPU nodes
     tasks_per_node: int | None = None  # default: gpus_per_node, or 1 on CPUs
+    # Each task's share of its node: the trainer (or script) and its data loader
+    # processes (data.workers=2), and their memory. SLURM's default is one CPU a task.
+    cpus_per_task: int = 4
+    mem_per_task: str = "16G"  # as --mem takes it (K, M, G, T; M if none); 0: the whole node
     partition: str | None = None
     time: str | None = None  # the time limit, as sbatch takes it (HH:MM:SS, D-HH:MM)
     signal: str = "TERM"  # the warning to every task: TERM or USR1 (SIGNALS)
@@ -88,8 +122,12 @@ class SbatchConfig:
     run_dir: str = "runs/slurm/${job_name}"  # on storage every node shares
     options: list[str] = field(default_factory=list)  # more sbatch options: [--account=x]
     # Requeues after a preemption (exit 75) or a lost rank (69) before the job gives up.
-    # A node that fails outright (NODE_FAIL) is requeued by SLURM itself.
+    # A node that fails outright (NODE_FAIL) is requeued by SLURM itself; they count too.
     max_restarts: int = 3
+    # Requeue a stop at the time limit too (max_restarts times at most). Off: the job ends
+    # there, as its user asked, and `sbatch RUN_DIR/sbatch.sh` resumes it.
+    requeue_at_time_limit: bool = False
+    checkpoint_uri: str | None = None  # a command's $SPOTRING_CHECKPOINT_URI (s3://...)
 
 
 def register() -> None:
@@ -102,20 +140,27 @@ def compose(overrides: list[str]) -> DictConfig:
                            "The keys: spotring sbatch --help (launch/slurm.py).")
 
 
-def script(cfg: DictConfig, trainer_args: list[str], python: str, workdir: Path) -> str:
-    """The batch script, in full."""
+def script(cfg: DictConfig, trainer_args: list[str], command: list[str], python: str,
+           workdir: Path) -> str:
+    """The batch script, in full: ``command`` where there is one, else the trainer with
+    ``trainer_args``."""
     tasks = _tasks(cfg)
     run_dir = Path(cfg.run_dir).resolve()
     if cfg.min_nodes:
         # A node range with --ntasks-per-node starts on min_nodes nodes (SLURM counts the
         # tasks at submission: min_nodes x tasks). Asked per node instead, it gets as many
         # nodes as are free; srun starts the tasks.
-        nodes = [f"#SBATCH --nodes={cfg.min_nodes}-{cfg.nodes}", f"#SBATCH --mincpus={tasks}"]
+        nodes = [f"#SBATCH --nodes={cfg.min_nodes}-{cfg.nodes}",
+                 f"#SBATCH --mincpus={tasks * cfg.cpus_per_task}"]
     else:
         nodes = [f"#SBATCH --nodes={cfg.nodes}", f"#SBATCH --ntasks-per-node={tasks}"]
+    amount, unit = MEMORY.fullmatch(str(cfg.mem_per_task)).groups()
     lines = ["#!/bin/bash",
              f"# Written by `spotring sbatch`; submit it again: sbatch {run_dir}/sbatch.sh",
-             f"#SBATCH --job-name={cfg.job_name}", *nodes, "#SBATCH --requeue",
+             f"# Holds {hold(cfg)}",
+             f"#SBATCH --job-name={cfg.job_name}", *nodes,
+             f"#SBATCH --cpus-per-task={cfg.cpus_per_task}",
+             f"#SBATCH --mem={int(amount) * tasks}{unit}", "#SBATCH --requeue",
              # To the tasks, not to the batch shell (B:), whose srun in the foreground
              # would end with it, and the job with no checkpoint.
              f"#SBATCH --signal={cfg.signal}@{cfg.signal_s}", "#SBATCH --open-mode=append",
@@ -127,37 +172,120 @@ def script(cfg: DictConfig, trainer_args: list[str], python: str, workdir: Path)
     if cfg.time:
         lines.append(f"#SBATCH --time={cfg.time}")
     lines += [f"#SBATCH {option}" for option in cfg.options]
-    args = shlex.join([f"hydra.run.dir={run_dir}", "resume=auto", *trainer_args])
+    env = contract.environment(JOB_ID, str(run_dir), RESTART_COUNT, cfg.checkpoint_uri)
     lines += [
         "",
         f"cd {shlex.quote(str(workdir))}",
-        *(f"export {k}={v}" for k, v in LAUNCHER_ENV.items()),
-        'echo "$(date "+%F %T") spotring sbatch: job $SLURM_JOB_ID (restart '
-        '${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NUM_NODES nodes: $SLURM_JOB_NODELIST"',
-        # train.global_batch: on fewer nodes than asked for (after a requeue) the trainer
-        # takes the same global batch in more micro-steps per optimizer step.
-        f"srun --ntasks-per-node={tasks} --kill-on-bad-exit=0 {shlex.quote(python)} -m trainer "
-        f"{args} train.global_batch={global_batch(cfg, trainer_args)}",
+        *(f"export {k}={v}" for k, v in LAUNCHER_ENV.items() if k not in AS_ROOT),
+        f"if (( $(id -u) == 0 )); then export "
+        f"{' '.join(f'{k}={v}' for k, v in AS_ROOT.items())}; fi",
+        "export " + " ".join(f"{k}={_shell(v)}" for k, v in env.items()),
+        f'echo "$(date "+%F %T") spotring sbatch: job $SLURM_JOB_ID (restart '
+        f'${contract.RESTART}) on $SLURM_JOB_NUM_NODES nodes: $SLURM_JOB_NODELIST"',
+        *_start_guard(cfg, run_dir),
+        # srun takes --cpus-per-task from here, not from sbatch (SLURM 22.05 on).
+        f"srun --ntasks-per-node={tasks} --cpus-per-task={cfg.cpus_per_task} "
+        f"--kill-on-bad-exit=0 {_program(cfg, trainer_args, command, python, run_dir)}",
         "code=$?",
         'echo "$(date "+%F %T") spotring sbatch: srun exit $code"',
-        *(f"# {' or '.join(str(c) for c, o in REQUEUE.items() if o is outcome)}: {outcome.what}"
-          for outcome in dict.fromkeys(REQUEUE.values())),
-        f"if (( ({' || '.join(f'code == {c}' for c in REQUEUE)}) && "
-        f"${{SLURM_RESTART_COUNT:-0}} < {cfg.max_restarts} )); then",
-        '    echo "$(date "+%F %T") spotring sbatch: requeueing job $SLURM_JOB_ID to resume '
-        'from its last checkpoint"',
-        "    scontrol requeue $SLURM_JOB_ID",
-        "fi",
+        *_requeue(cfg, run_dir),
         "exit $code",
         "",
     ]
     return "\n".join(lines)
 
 
-def check(cfg: DictConfig, trainer_args: list[str]) -> None:
+def _shell(value: str) -> str:
+    """``value`` as the script writes it: expanded there where it is one of SLURM's."""
+    return f'"{value}"' if value in (JOB_ID, RESTART_COUNT) else shlex.quote(value)
+
+
+def _program(cfg: DictConfig, trainer_args: list[str], command: list[str], python: str,
+             run_dir: Path) -> str:
+    """What srun starts on every task."""
+    if command:
+        return shlex.join(command)
+    args = shlex.join([f"hydra.run.dir={run_dir}", "resume=auto", *trainer_args])
+    # train.global_batch: on fewer nodes than asked for (after a requeue) the trainer
+    # takes the same global batch in more micro-steps per optimizer step.
+    return (f"{shlex.quote(python)} -m trainer {args} "
+            f"train.global_batch={global_batch(cfg, trainer_args)}")
+
+
+def _start_guard(cfg: DictConfig, run_dir: Path) -> list[str]:
+    """A run past max_restarts does not start (SLURM requeues after NODE_FAIL whatever
+    the count), so hold() is a bound; and, unless requeue_at_time_limit, the end of this
+    run's time limit (NONE without one), read before a preemption moves it (to GraceTime
+    from then)."""
+    guard = [f"if (( {RESTART_COUNT} > {cfg.max_restarts} )); then",
+             f'    echo "$(date "+%F %T") spotring sbatch: not run: restart '
+             f'{RESTART_COUNT} is past max_restarts={cfg.max_restarts}; '
+             f'sbatch {run_dir}/sbatch.sh resumes it"',
+             f"    exit {EXIT_PREEMPTED}",
+             "fi"]
+    if not cfg.requeue_at_time_limit:
+        guard.append('end=$(squeue --noheader --jobs="$SLURM_JOB_ID" --format=%e)')
+    return guard
+
+
+def _requeue(cfg: DictConfig, run_dir: Path) -> list[str]:
+    """The lines that requeue the job after a transient exit, and say why where they do
+    not."""
+    resume = f"sbatch {run_dir}/sbatch.sh resumes it"
+    lines = [*(f"# {' or '.join(str(c) for c, o in REQUEUE.items() if o is outcome)}: "
+               f"{outcome.what}" for outcome in dict.fromkeys(REQUEUE.values())),
+             f"transient=$(( {' || '.join(f'code == {c}' for c in REQUEUE)} ))",
+             f"if (( transient && {RESTART_COUNT} >= {cfg.max_restarts} )); then",
+             f'    echo "$(date "+%F %T") spotring sbatch: not requeued: max_restarts='
+             f'{cfg.max_restarts} used up; {resume}"']
+    if not cfg.requeue_at_time_limit:
+        window = cfg.signal_s + SIGNAL_EARLY_S
+        lines += [f'elif (( transient )) && [[ $end == *T* ]] && '
+                  f'(( $(date +%s) >= $(date -d "$end" +%s) - {window} )); then',
+                  f'    echo "$(date "+%F %T") spotring sbatch: stopped at the time limit: '
+                  f'not requeued (requeue_at_time_limit=false); {resume}"']
+    return [*lines,
+            "elif (( transient )); then",
+            '    echo "$(date "+%F %T") spotring sbatch: requeueing job $SLURM_JOB_ID to '
+            'resume from its last checkpoint"',
+            "    scontrol requeue $SLURM_JOB_ID",
+            "fi"]
+
+
+def hold(cfg: DictConfig) -> str:
+    """The most node-time the job can hold, in words: (1 + max_restarts) runs, each up to
+    the time limit, on up to ``nodes`` nodes."""
+    runs = f"{1 + cfg.max_restarts} runs (1 + max_restarts={cfg.max_restarts})"
+    if cfg.time is None:
+        most = f"{runs} x the partition's time limit x {cfg.nodes} nodes"
+    else:
+        hours = (1 + cfg.max_restarts) * seconds(cfg.time) * cfg.nodes / 3600
+        most = f"{runs} x time={cfg.time} x {cfg.nodes} nodes = {hours:.4g} node-hours"
+    requeued = "requeued" if cfg.requeue_at_time_limit else "not requeued"
+    return (f"at most {most}; a stop at the time limit is {requeued} "
+            f"(requeue_at_time_limit={str(cfg.requeue_at_time_limit).lower()})")
+
+
+def seconds(time: str) -> int | None:
+    """A time limit as sbatch --time reads it (TIMES), in seconds; None if it is none."""
+    days, dash, clock = str(time).rpartition("-")
+    parts = clock.split(":")
+    if len(parts) > 3 or not all(p.isdigit() for p in parts) or (dash and not days.isdigit()):
+        return None
+    numbers = [int(p) for p in parts]
+    # After days the first number is hours (D-HH[:MM[:SS]]); without, minutes unless
+    # there are three (MM, MM:SS, HH:MM:SS).
+    if dash or len(numbers) == 3:
+        hours, minutes, secs = numbers + [0] * (3 - len(numbers))
+    else:
+        hours, minutes, secs = [0, *numbers] + [0] * (2 - len(numbers))
+    return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + secs
+
+
+def check(cfg: DictConfig, trainer_args: list[str], command: list[str], workdir: Path) -> None:
     """Everything that can be told before submitting; raises ConfigError."""
     problems = []
-    for key in ("nodes", "signal_s"):
+    for key in ("nodes", "signal_s", "cpus_per_task"):
         if cfg[key] < 1:
             problems.append(f"{key}={cfg[key]}: must be 1 or more")
     if (problem := one_of("signal", cfg.signal, SIGNALS)) is not None:
@@ -173,8 +301,20 @@ def check(cfg: DictConfig, trainer_args: list[str]) -> None:
         problems.append(f"tasks_per_node={cfg.tasks_per_node} with gpus_per_node="
                         f"{cfg.gpus_per_node}: one task per GPU at most (NCCL takes one "
                         f"GPU per rank); valid: 1 to {cfg.gpus_per_node}")
+    if not MEMORY.fullmatch(str(cfg.mem_per_task)):
+        problems.append(f"mem_per_task={cfg.mem_per_task}: valid: a number of megabytes, or "
+                        "one with K, M, G or T (16G); 0: the whole node")
+    if cfg.time is not None and seconds(cfg.time) is None:
+        problems.append(f"time={cfg.time}: valid: {TIMES} (leave it out for the "
+                        "partition's default)")
+    if cfg.checkpoint_uri and not command:
+        problems.append(f"checkpoint_uri={cfg.checkpoint_uri}: for a command; the trainer "
+                        "takes checkpoint.uri=... after --")
     if problems:
         raise ConfigError("bad sbatch settings:\n  - " + "\n  - ".join(problems))
+    if command:
+        project.check_command(workdir, command)
+        return
     trainer_config.validate(trainer_config.compose(trainer_args))
     tasks, batch = _tasks(cfg), global_batch(cfg, trainer_args)
     for nodes in range(cfg.min_nodes or cfg.nodes, cfg.nodes + 1):
@@ -222,23 +362,25 @@ def submit(text: str, run_dir: Path, dry_run: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    ours, trainer_args = split_trainer_args(argv)
+    ours, words = split_trainer_args(argv)
+    trainer_args, command = contract.split_command(words)
     parser = argparse.ArgumentParser(prog="spotring sbatch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true",
                         help="print the script; submit nothing")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="nodes=, min_nodes=, gpus_per_node=, tasks_per_node=, partition=, "
-                             "time=, signal=TERM|USR1, signal_s=, job_name=, run_dir=, "
-                             "options=[...]")
+                        help="nodes=, min_nodes=, gpus_per_node=, tasks_per_node=, "
+                             "cpus_per_task=, mem_per_task=, partition=, time=, "
+                             "signal=TERM|USR1, signal_s=, job_name=, run_dir=, options=[...], "
+                             "max_restarts=, requeue_at_time_limit=, checkpoint_uri=")
     try:
         args = parser.parse_args(ours)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 0
     try:
         cfg = compose(args.overrides)
-        check(cfg, trainer_args)
-        text = script(cfg, trainer_args, sys.executable, Path.cwd())
+        check(cfg, trainer_args, command, Path.cwd())
+        text = script(cfg, trainer_args, command, sys.executable, Path.cwd())
         job = submit(text, Path(cfg.run_dir).resolve(), args.dry_run)
     except ConfigError as e:
         print(f"spotring sbatch: error: {e}", file=sys.stderr)
@@ -246,9 +388,13 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         print(f"spotring sbatch: failed: {e}", file=sys.stderr)
         return EXIT_FAILED
-    if job:
-        run_dir = Path(cfg.run_dir).resolve()
-        print(f"spotring sbatch: submitted job {job} ({cfg.nodes} nodes); follow it with "
-              f"`squeue -j {job}` and `tail -f {run_dir}/slurm-{job}.out`; stop it with "
-              f"`scancel {job}` (or `scancel --signal=TERM {job}`: a checkpoint, a requeue)")
+    if not job:
+        print(f"spotring sbatch: nothing submitted (--dry-run); the job would hold "
+              f"{hold(cfg)}", file=sys.stderr)
+        return 0
+    run_dir = Path(cfg.run_dir).resolve()
+    print(f"spotring sbatch: submitted job {job} ({cfg.nodes} nodes); it holds {hold(cfg)}; "
+          f"follow it with `squeue -j {job}` and `tail -f {run_dir}/slurm-{job}.out`; stop "
+          f"it with `scancel {job}` (or `scancel --signal=TERM {job}`: a checkpoint, a "
+          f"requeue)")
     return 0

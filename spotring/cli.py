@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
               "starts (Hydra overrides)"),
     **{step: ("launch.__main__", "main", summary) for step, summary in STEPS.items()},
     "sbatch": ("launch.slurm", "main",
-               "the trainer as a SLURM batch job: requeued after preemption, resumed"),
+               "the trainer or a command as a SLURM batch job: requeued after preemption"),
     "sweep": ("sweep.__main__", "main",
               "many trials at once, searched by Optuna: hyperparameters, model families"),
     "bench": ("benchmarks.suite", "main",

@@ -26,7 +26,6 @@ from launch.local import netns
 from launch.rundir import RunDir
 from spotring.exits import EXIT_CONFIG
 from tests import user_script
-from tests.conftest import assert_close
 from tests.installed import spotring_venv
 from tests.launcher import leftovers, netns_unavailable, processes
 from tests.test_launch_local import metadata_service_of, run_dir_of
@@ -142,7 +141,7 @@ def test_a_users_script_survives_a_spot_notice_from_a_pip_install(venv, tmp_path
     # worker uninterrupted, in float64.
     summary = json.loads((run.job / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 48
-    assert_close(summary["weights"], reference["weights"], 1e-10)
+    assert summary["weights"] == pytest.approx(reference["weights"], rel=1e-10)
     resumed = [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", out)]
     assert len(resumed) == 1 and 0 < resumed[0] < 48
 
@@ -181,8 +180,8 @@ def test_every_launcher_runs_the_command_on_the_nodes_up_brought_up(venv, tmp_pa
     (root / "plain.py").write_text(user_script.PLAIN)
     runs = tmp_path / "runs"
 
-    def spot(*args: str) -> tuple[int, str]:
-        proc = spotring(venv, root, *args, f"runs_dir={runs}")
+    def spot(subcommand: str, *args: str) -> tuple[int, str]:
+        proc = spotring(venv, root, subcommand, f"runs_dir={runs}", *args)
         out, _ = proc.communicate(timeout=400)
         return proc.returncode, out
 
@@ -190,13 +189,14 @@ def test_every_launcher_runs_the_command_on_the_nodes_up_brought_up(venv, tmp_pa
     assert code == 0, out
     run = RunDir.find(runs, None)
     try:
-        for launcher in ("torchrun", "mpirun"):
+        # What each launcher looks like from the inside (spotring.runtime).
+        for launcher, seen in {"torchrun": "torchrun", "mpirun": "mpi"}.items():
             code, out = spot("run", f"job.launcher={launcher}", f"job.results=runs/{launcher}",
                              "--", "python", "train.py", *STEPS)
             assert code == 0, out
             summary = json.loads((run.job / "summary.json").read_text())
-            assert (summary["world_size"], summary["launcher"]) == (2, launcher)
-            assert_close(summary["weights"], reference["weights"], 1e-10)
+            assert (summary["world_size"], summary["launcher"]) == (2, seen)
+            assert summary["weights"] == pytest.approx(reference["weights"], rel=1e-10)
         # No launcher: once per node, with its rank; the node's results come back.
         code, out = spot("run", "job.launcher=none", "job.results=out", "--", "python",
                          "plain.py", "hi")

@@ -1,6 +1,7 @@
 """SLURM for real (issue 26): a controller, munge and a slurmd in each of 2 network
 namespaces (tests/slurm.py), the trainer and a user's script (examples/train.py) started
-with srun across them, and the jobs of `spotring sbatch` preempted, requeued and resumed."""
+with srun across them, and the jobs of `spotring sbatch`, the trainer's and a user's own
+command's (issue 34), preempted, requeued and resumed."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+import torch
 
 from launch import slurm as sbatch
 from launch.commands import local_environment
 from spotring.exits import EXIT_CONFIG
 from spotring.polling import poll
-from tests import slurm
+from tests import slurm, user_script
 from tests import test_examples as examples
 from tests.conftest import PARITY, QUICK, REPO, Run, assert_close
 from tests.test_sweep import load, run_sweep, table_row
@@ -84,18 +86,21 @@ def test_a_users_script_under_srun_across_two_nodes_takes_one_workers_steps(
 # no parameter) makes a step take ~0.3 s here instead of 25 ms: long enough for a signal
 # to land mid-run.
 JOB = [*QUICK, *PARITY, "train.batch_size=32", "train.eval_every_steps=1"]
+# What a task may ask of the test nodes: 2 CPUs and SLURM's default 1 MB of memory each
+# (tests/slurm.py), where the defaults ask for 4 CPUs and 16G.
+SMALL = ("cpus_per_task=1", "mem_per_task=1M")
 
 
 class Job:
     """A job of `spotring sbatch`, submitted and watched as its user would: squeue, the
     run directory, RUN_DIR/slurm-JOBID.out."""
 
-    def __init__(self, cluster: slurm.SlurmCluster, run_dir: Path, *ours: str,
-                 trainer: tuple[str, ...] = ()) -> None:
+    def __init__(self, cluster: slurm.SlurmCluster, run_dir: Path, ours: tuple[str, ...],
+                 words: tuple[str, ...], cwd: Path) -> None:
         self.cluster, self.dir = cluster, run_dir
         proc = subprocess.run(
             [sys.executable, "-m", "spotring", "sbatch", f"run_dir={run_dir}",
-             "job_name=test", *ours, "--", *JOB, *trainer], cwd=REPO, capture_output=True,
+             "job_name=test", *SMALL, *ours, "--", *words], cwd=cwd, capture_output=True,
             text=True, timeout=60, env=local_environment(**cluster.env))
         assert proc.returncode == 0, proc.stdout + proc.stderr
         self.id = int(re.search(r"submitted job (\d+)", proc.stdout)[1])
@@ -150,9 +155,13 @@ class Job:
 def submit(cluster, tmp_path):
     jobs: list[Job] = []
 
-    def _submit(*ours: str, trainer: tuple[str, ...] = ()) -> Job:
+    def _submit(*ours: str, trainer: tuple[str, ...] = (), command: tuple[str, ...] = (),
+                cwd: Path = REPO) -> Job:
+        """The parity job with ``trainer``'s overrides, or ``command`` submitted from
+        ``cwd``."""
         cluster.wait_idle()  # all nodes free: a job of min_nodes=1 gets them all
-        jobs.append(Job(cluster, tmp_path / "job", *ours, trainer=trainer))
+        words = command or (*JOB, *trainer)
+        jobs.append(Job(cluster, tmp_path / "job", ours, words, cwd))
         return jobs[-1]
     yield _submit
     for job in jobs:
@@ -246,30 +255,93 @@ def test_a_killed_rank_fails_the_job_in_bounded_time_and_it_resumes(cluster, sub
     assert_close(run.params(), ddp_2x32.params(), rtol=1e-10)
 
 
-def test_signal_usr1_asks_slurm_to_warn_every_task_with_sigusr1(capsys):
-    # To the tasks (no B:): the batch shell would end srun with it, and no checkpoint.
-    assert sbatch.main(["signal=USR1", "signal_s=300", "--dry-run"]) == 0
-    assert "\n#SBATCH --signal=USR1@300\n" in capsys.readouterr().out
+# A user's own script (tests/user_script.py), long enough for a signal to land mid-run.
+STEPS = ("--steps", "48", "--batch", "8", "--save-every", "8")
+
+
+@pytest.mark.slow
+def test_a_users_command_is_requeued_after_sigterm_and_ends_with_one_workers_weights(
+        cluster, submit, tmp_path):
+    reference = user_script.reference(tmp_path / "ref", *STEPS)
+    root = user_script.write_project(tmp_path / "project")  # train.py and nothing else
+    # A time limit far off: the script reads the job's end and must not take this stop
+    # for the time limit's.
+    job = submit("nodes=2", "time=10",
+                 command=("python", "train.py", *STEPS, "--sleep", "0.05"), cwd=root)
+    job.wait_for_steps(1)  # training, from the project directory on shared storage
+    cluster.run("scancel", "--signal=TERM", str(job.id))
+    run = job.finish()
+    assert "srun exit 75" in run.output and "requeueing job" in run.output, run.output
+    assert "time limit" not in run.output, run.output
+    # The echo line prints $SPOTRING_RESTART as the script exported it.
+    assert re.findall(r"\(restart (\d+)\) on 2 nodes", run.output) == ["0", "1"], run.output
+    resumed = [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", run.output)]
+    assert len(resumed) == 1 and 0 < resumed[0] < 48, run.output
+    summary = run.summary
+    assert (summary["launcher"], summary["world_size"], summary["steps"]) == ("slurm", 2, 48)
+    assert_close({"w": torch.tensor(summary["weights"])},
+                 {"w": torch.tensor(reference["weights"])}, rtol=1e-10)
+
+
+def test_the_dry_run_asks_for_cpus_and_memory_and_states_the_most_node_time(
+        tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(user_script.write_project(tmp_path))
+    assert sbatch.main(["nodes=2", "gpus_per_node=2", "time=12:00:00", "signal=USR1",
+                        "signal_s=300", "checkpoint_uri=s3://b/p x", "--dry-run", "--",
+                        "python", "train.py", "--lr", "0.1 0.2"]) == 0
+    out, err = capsys.readouterr()
+    hold = ("at most 4 runs (1 + max_restarts=3) x time=12:00:00 x 2 nodes = 96 node-hours; "
+            "a stop at the time limit is not requeued (requeue_at_time_limit=false)")
+    assert f"\n# Holds {hold}\n" in out and hold in err, (out, err)
+    # Per task 4 CPUs, for srun too (22.05 on, it does not take them from sbatch), and
+    # 16G: 32G for a node's 2 tasks. To the tasks (no B:): the batch shell would end srun.
+    for line in ("#SBATCH --cpus-per-task=4", "#SBATCH --mem=32G", "#SBATCH --signal=USR1@300",
+                 "export SPOTRING_RUN_ID=\"$SLURM_JOB_ID\" SPOTRING_RUN_DIR="
+                 f"{tmp_path}/runs/slurm/spotring SPOTRING_RESTART=\"${{SLURM_RESTART_COUNT:-0}}\" "
+                 "SPOTRING_CHECKPOINT_URI='s3://b/p x'",
+                 "srun --ntasks-per-node=2 --cpus-per-task=4 --kill-on-bad-exit=0 "
+                 "python train.py --lr '0.1 0.2'"):
+        assert f"\n{line}\n" in out, out
+    assert "train.global_batch" not in out and "squeue" in out
+    # Open MPI's consent to root, given only where the job runs as root.
+    (root_only,) = [line for line in out.splitlines() if "OMPI_ALLOW_RUN_AS_ROOT=" in line]
+    for uid, allowed in ((0, "1"), (1000, "unset")):
+        shell = subprocess.run(["bash", "-c", f"id() {{ echo {uid}; }}; {root_only}; "
+                                "echo ${OMPI_ALLOW_RUN_AS_ROOT-unset}"],
+                               capture_output=True, text=True, check=True)
+        assert shell.stdout == f"{allowed}\n", (uid, shell)
+    # The trainer on a node range: CPUs per node for every task; the time limit requeued.
+    assert sbatch.main(["nodes=2", "min_nodes=1", "cpus_per_task=2", "requeue_at_time_limit=true",
+                        "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert "\n#SBATCH --mincpus=2\n#SBATCH --cpus-per-task=2\n#SBATCH --mem=16G\n" in out, out
+    assert ("x the partition's time limit x 2 nodes; a stop at the time limit is requeued "
+            "(requeue_at_time_limit=true)") in err and "squeue" not in out, (out, err)
 
 
 @pytest.mark.parametrize("ours, trainer, says", [
-    (["nodes=1"], [], "sbatch is not on the PATH"),
-    (["nodes=1", "gpus_per_node=2", "tasks_per_node=4"], [], "one task per GPU"),
-    (["nodes=1", "partition=nosuch"], [], "nosuch"),
-    (["nodes=1", "signal=HUP"], [], "signal=HUP: unknown; valid: TERM, USR1"),
-    (["nodes=1"], ["optim.lr=abc"], "optim.lr"),
-], ids=["no-sbatch", "tasks-per-gpu", "partition", "signal", "trainer-override"])
+    (["nodes=1"], [], ["sbatch is not on the PATH"]),
+    (["nodes=1", "gpus_per_node=2", "tasks_per_node=4"], [], ["one task per GPU"]),
+    (["nodes=1", "partition=nosuch", *SMALL], [], ["nosuch"]),
+    (["nodes=1", "signal=HUP"], [], ["signal=HUP: unknown; valid: TERM, USR1"]),
+    (["nodes=1", "time=12h", "mem_per_task=16GB", "cpus_per_task=0", "checkpoint_uri=s3://b"],
+     [], ["time=12h: valid: MM, MM:SS, HH:MM:SS, D-HH", "mem_per_task=16GB: valid",
+          "cpus_per_task=0: must be 1 or more", "checkpoint_uri=s3://b: for a command"]),
+    (["nodes=1"], ["optim.lr=abc"], ["optim.lr"]),
+    (["nodes=1"], ["python", "missing.py"], ["missing.py: no such file"]),
+], ids=["no-sbatch", "tasks-per-gpu", "partition", "signal", "settings", "trainer-override",
+        "missing-script"])
 def test_bad_input_exits_2_and_submits_nothing(cluster, tmp_path, monkeypatch, capsys,
                                                ours, trainer, says):
     monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
     queued = cluster.run("squeue", "--noheader").stdout
-    if "sbatch is not" in says:
+    if says == ["sbatch is not on the PATH"]:
         monkeypatch.setenv("PATH", str(tmp_path))  # no SLURM here
     run_dir = tmp_path / "job"
     code = sbatch.main([f"run_dir={run_dir}", *ours, "--", *trainer])
     err = capsys.readouterr().err
     monkeypatch.undo()
-    assert code == EXIT_CONFIG and says in err, err
+    assert code == EXIT_CONFIG and all(s in err for s in says), err
     assert cluster.run("squeue", "--noheader").stdout == queued and not run_dir.exists()
 
 

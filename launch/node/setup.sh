@@ -19,15 +19,22 @@ fi
 rm -rf .venv
 "$image" -m venv --without-pip .venv
 site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-"$image" -c 'import site; print("\n".join(site.getsitepackages()))' > "$site/spotring-image.pth"
+# Every packages directory the image's Python sees, also those its own .pth files add.
+"$image" -c 'import sys; print("\n".join(p for p in sys.path
+    if p.endswith(("site-packages", "dist-packages"))))' > "$site/spotring-image.pth"
 # pip from the image where it has one (no second setuptools to shadow the image's).
-.venv/bin/python -m pip --version > /dev/null 2>&1 || .venv/bin/python -m ensurepip -q
-# The launchers the job starts, where it looks for them: .venv/bin.
-scripts=$("$image" -c 'import sysconfig; print(sysconfig.get_paths()["scripts"])')
+.venv/bin/python -m pip --version > /dev/null 2>&1 || .venv/bin/python -m ensurepip > /dev/null
+# The launchers the job starts, where it looks for them (.venv/bin): from the image's
+# scripts directory, or from that of an environment it layers on.
+bins=$("$image" -c 'import pathlib, sys, sysconfig; print("\n".join(dict.fromkeys(
+    [sysconfig.get_paths()["scripts"]] + [str(pathlib.Path(p).parents[2] / "bin")
+    for p in sys.path if p.endswith("site-packages")])))')
 for name in torchrun horovodrun mpirun mpiexec prte prted prterun orted ompi_info; do
-    if [ -x "$scripts/$name" ] && [ ! -e ".venv/bin/$name" ]; then
-        ln -s "$scripts/$name" ".venv/bin/$name"
-    fi
+    for dir in $bins; do
+        if [ -x "$dir/$name" ] && [ ! -e ".venv/bin/$name" ]; then
+            ln -s "$dir/$name" ".venv/bin/$name"
+        fi
+    done
 done
 pip=(.venv/bin/python -m pip --disable-pip-version-check install --progress-bar off)
 wheel=$(ls .spotring/spotring-*.whl)

@@ -8,6 +8,14 @@ training job on its own slice of this machine or of a cluster (also `python -m s
     spotring sweep sweep.trials=8 -- 'optim.lr=tag(log, interval(0.01, 1))' train.epochs=2
                                   after `--`: the trainer's overrides; a search expression
                                   there joins sweep.params, a plain value is fixed
+    spotring sweep sweep=custom sweep.trials=8 'sweep.params.lr=tag(log, interval(0.01, 1))' \
+        sweep.objectives=[val_loss:min] -- python train.py --lr {lr} --epochs 3
+                                  after `--`: your own command, run from this directory
+                                  (the project); each trial fills {lr} with its value and
+                                  also gets them all as JSON in $SPOTRING_PARAMS; its
+                                  objectives are what it reports to summary.json
+                                  (job.finish(val_loss=...)), NAME:min|max for a name
+                                  spotring does not know
     spotring up cluster=local nodes=2 && spotring sweep sweep.cluster=latest sweep.parallel=2
                                   one trial per node of the newest `spotring up` run
     spotring sweep sweep.slurm=true sweep.parallel=8 sweep.nodes=2
@@ -16,8 +24,10 @@ training job on its own slice of this machine or of a cluster (also `python -m s
 Run the same command again to continue a sweep that stopped (Ctrl-C, a crash, a lost
 machine): finished trials are kept, interrupted ones resume from their checkpoints.
 Everything goes to sweep.dir (runs/sweeps/NAME): study.journal (Optuna's), trials/NNN/
-(each trial's run directory), sweep_report.md with its plots, best_config.yaml.
-Keys: sweep/config.py; the guide: docs/sweeps.md.
+(each trial's run directory: SPOTRING_RUN_DIR for a command), sweep_report.md with its
+plots, best_config.yaml (the trainer; for a command, the report shows the best command).
+Keys: sweep/config.py; what a trial's processes get: sweep/runner.py; the guide:
+docs/sweeps.md.
 
 Exit codes: 0 the study has its trials (failed ones included), 1 no trial completed or
 an error, 2 bad input (nothing was started), 75 stopped by a signal (run it again).
@@ -43,7 +53,7 @@ log = logging.getLogger("launch")
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    ours, trainer_args = split_trainer_args(argv)
+    ours, after_dashes = split_trainer_args(argv)
     parser = argparse.ArgumentParser(
         prog="spotring sweep", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,13 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     log_to(sys.stdout)
     command = shlex.join(["spotring", "sweep", *argv])
     try:
-        return sweep(args.overrides, trainer_args, command)
+        return sweep(args.overrides, after_dashes, command)
     except ConfigError as e:
         print(f"spotring sweep: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
 
 
-def sweep(overrides: list[str], trainer_args: list[str], command: str) -> int:
+def sweep(overrides: list[str], after_dashes: list[str], command: str) -> int:
     try:
         import optuna  # noqa: F401
     except ImportError as e:
@@ -70,12 +80,10 @@ def sweep(overrides: list[str], trainer_args: list[str], command: str) -> int:
                           ) from e
     from sweep.runner import Runner
     from sweep.study import Study
-    from trainer.config import compose as compose_trainer
 
-    plan = config.plan(overrides, trainer_args)
+    plan = config.plan(overrides, after_dashes)
     cfg = plan.cfg.sweep
     slots = _slots(plan)
-    uri = compose_trainer(plan.args).checkpoint.uri
     sweep_dir = Path(cfg.dir).resolve()
     sweep_dir.mkdir(parents=True, exist_ok=True)
     with open(sweep_dir / ".lock", "w") as lock:
@@ -84,13 +92,13 @@ def sweep(overrides: list[str], trainer_args: list[str], command: str) -> int:
         except BlockingIOError:
             raise ConfigError(f"another spotring sweep runs in {sweep_dir}; wait for it, or "
                               "give this one another sweep.dir") from None
-        study = Study(plan, sweep_dir, uri)
+        study = Study(plan, sweep_dir, plan.checkpoint_uri)
         OmegaConf.save(plan.cfg, sweep_dir / "sweep.yaml")
         log.info("sweep: %s in %s: %d trials, %s sampler, %s, %d at a time on %s",
                  cfg.name, sweep_dir, plan.trials, plan.sampler,
                  " and ".join(f"{d} {m}" for m, d in plan.objectives.items()), len(slots),
                  "; ".join(s.label for s in slots))
-        runner = Runner(plan, study, slots, sweep_dir, uri)
+        runner = Runner(plan, study, slots, sweep_dir)
         interrupt_on_termination()
         code = EXIT_OK
         try:
@@ -118,7 +126,7 @@ def _slots(plan: config.Plan) -> list:
     if cfg.cluster is None:
         return slots.local_slots(cfg.parallel, cfg.workers, cfg.hourly_price)
     return slots.cluster_slots(cfg.cluster, cfg.runs_dir, cfg.parallel, cfg.nodes,
-                               cfg.launcher, cfg.name, cfg.hourly_price)
+                               cfg.launcher, plan.command, cfg.name, cfg.hourly_price)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 checks that run before any trial: the search space in Hydra's sweep grammar, turned
 into Optuna's distributions, and everything a trial would fail on.
 
+What a trial runs, from the words after `--` (launch.contract.split_command tells them
+apart): the built-in trainer with its overrides, or a command of the user's own.
+
     sweep.params        KEY: EXPRESSION, in Hydra's override grammar (what
                         hydra-optuna-sweeper reads too):
                           choice(a, b, c)                 categorical
@@ -9,22 +12,32 @@ into Optuna's distributions, and everything a trial would fail on.
                           interval(0.001, 0.5)            floats in [low, high]
                           tag(log, interval(1e-5, 1e-2))  sampled on a log scale
                           tag(int, interval(16, 256))     integers in [low, high]
-                        KEY is any trainer key (optim.lr, model.width) or config group
-                        (model: choice(convnet, fast_convnet)).
+                        For the trainer, KEY is any trainer key (optim.lr, model.width) or
+                        config group (model: choice(convnet, fast_convnet)). For a command,
+                        KEY names a placeholder {KEY} of the command, which each trial
+                        fills with its value (`python train.py --lr {lr}`); every param
+                        is one of the command's placeholders and every placeholder a param.
+                        Also on the command line: 'sweep.params.KEY=EXPRESSION'.
     sweep.args          trainer overrides every trial gets (also: after `--`)
-    sweep.objectives    [METRIC, ...], the first the main one; each a number the trainer
-                        writes to summary.json, or dollars (needs a price), optimised in
-                        the one direction that makes sense for it (METRICS)
+    sweep.objectives    [METRIC, ...], the first the main one: a number of the trial's
+                        summary.json (job.finish(**results) writes it), or dollars (needs
+                        a price). METRICS have their direction; any other name is
+                        written NAME:min or NAME:max (val_loss:min).
 """
 
 from __future__ import annotations
 
+import difflib
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
+from launch import project
+from launch.contract import split_command
 from spotring.exits import ConfigError
 from trainer import config as trainer_config
 from trainer.config import choices, compose_checked, one_of
@@ -41,6 +54,7 @@ class SweepConfig:
     dir: str = "runs/sweeps/${.name}"
     params: dict[str, str] = field(default_factory=dict)  # KEY: Hydra sweep expression
     args: list[str] = field(default_factory=list)  # trainer overrides of every trial
+    # METRIC, or NAME:min / NAME:max for a number only the user's script reports.
     objectives: list[str] = field(default_factory=lambda: ["test_accuracy"])
     # auto: grid when every param is a choice or range and sweep.trials covers them
     # all... tpe for one objective, nsga2 for several.
@@ -51,8 +65,9 @@ class SweepConfig:
     # else processes per trial, the CPU cores split evenly between the trials.
     parallel: int = 1
     workers: int = 1
-    # Stop poor trials early from their test accuracy at each evaluation
-    # (train.eval_every_steps, or each epoch end); single objective only.
+    # Stop poor trials early from their objective at each evaluation (the trainer's:
+    # train.eval_every_steps, or each epoch end; a script's: job.log("test", ...));
+    # single objective only.
     pruner: PrunerName = PrunerName.none
     # A trial killed or preempted resumes from its own checkpoint up to this many times
     # before it is recorded as failed.
@@ -60,6 +75,10 @@ class SweepConfig:
     # $/hour of this machine (or of one cluster node): trials are billed for their wall
     # time and their share, and `dollars` becomes an objective and a report column.
     hourly_price: float | None = None
+    # s3://bucket/prefix: each trial checkpoints to URI/sweeps/NAME/trials/NNN (a
+    # command's trials get it as SPOTRING_CHECKPOINT_URI) and the study's journal goes to
+    # URI/sweeps/NAME/. For the trainer, checkpoint.uri among its arguments does the same.
+    checkpoint_uri: str | None = None
     # A cluster `spotring up` brought up (its run id, or "latest"): the trials run across
     # its nodes, sweep.nodes each, instead of on this machine.
     cluster: str | None = None
@@ -85,14 +104,30 @@ def register() -> None:
 
 
 
-# What a trial's summary.json reports that a study can optimise (trainer/loop.py), and
-# `dollars`, which the sweep adds where it has a price; each in its own direction.
+# What a trial's summary.json reports that a study can optimise (trainer/loop.py, and
+# spotring.Job.finish for a script), and `dollars`, which the sweep adds where it has a
+# price; each in its own direction.
 METRICS = {"test_accuracy": "maximize", "images_per_second": "maximize",
            "test_loss": "minimize", "train_seconds": "minimize", "parameters": "minimize",
            "parameter_mb": "minimize", "peak_memory_mb": "minimize", "dollars": "minimize"}
-# Reported at every evaluation (metrics.jsonl, kind=test): what a pruner can judge by.
-PRUNABLE = {"test_accuracy": "accuracy", "test_loss": "loss"}
+DIRECTIONS = {"min": "minimize", "max": "maximize", "minimize": "minimize",
+              "maximize": "maximize"}
+# What the trainer reports at every evaluation (metrics.jsonl, kind=test): what a
+# pruner can judge its trials by (record_field).
+PRUNABLE = ("test_accuracy", "test_loss")
 LAUNCHERS = ("torchrun", "horovodrun", "mpirun")
+# {KEY} in a command's words, where KEY is a param; ${VAR} is the shell's, not one.
+PLACEHOLDER = re.compile(r"(?<!\$)\{([A-Za-z_][\w.\-]*)\}")
+# sweep.params.KEY=EXPRESSION among the sweep's overrides (Hydra would refuse a sweep
+# expression there: it takes it for a --multirun sweep).
+_PARAM_OVERRIDE = re.compile(r"^\+{0,2}sweep\.params\.([^=]+)=(.*)$", re.DOTALL)
+
+
+def record_field(objective: str) -> str:
+    """The field of a kind=test record of metrics.jsonl that a pruner reads for an
+    objective: its name less a leading `test_` (test_accuracy -> accuracy, test_loss ->
+    loss, test_f1 -> f1, val_loss -> val_loss)."""
+    return objective.removeprefix("test_")
 
 
 @dataclass(frozen=True)
@@ -104,11 +139,19 @@ class Param:
     distribution: Any  # optuna.distributions.BaseDistribution
     grid: tuple | None  # every value, where the dimension is discrete
 
-    def override(self, value: Any) -> str:
-        if isinstance(value, float) and self.grid is None:
+    def value(self, sampled: Any) -> Any:
+        """What a trial gets for Optuna's ``sampled`` value."""
+        if isinstance(sampled, float) and self.grid is None:
             # 4 significant digits: what the trial runs with is what the report shows.
-            value = float(f"{value:.4g}")
-        return f"{self.key}={override_text(value)}"
+            return float(f"{sampled:.4g}")
+        return sampled
+
+    def text(self, sampled: Any) -> str:
+        """The value as the trial's command line gets it."""
+        return override_text(self.value(sampled))
+
+    def override(self, sampled: Any) -> str:
+        return f"{self.key}={self.text(sampled)}"
 
     def values_to_check(self) -> list[Any]:
         """Values whose composed configs stand for the whole dimension: every choice, or
@@ -208,13 +251,20 @@ class Plan:
     objectives: dict[str, str]  # metric -> maximize | minimize, in order
     sampler: str  # grid | random | tpe | nsga2
     trials: int
+    command: list[str] = field(default_factory=list)  # the user's, with {KEY}s; [] trainer
+    checkpoint_uri: str | None = None  # the sweep's, each trial under it
 
     @property
     def identity(self) -> dict[str, Any]:
         """What makes two command lines the same study: a sweep dir holding another one
         is refused rather than mixed."""
-        return {"params": {p.key: p.expression for p in self.params}, "args": self.args,
-                "objectives": self.objectives}
+        identity = {"params": {p.key: p.expression for p in self.params}, "args": self.args,
+                    "objectives": self.objectives}
+        return identity | ({"command": self.command} if self.command else {})
+
+    def command_for(self, texts: dict[str, str]) -> list[str]:
+        """The user's command with each {KEY} replaced by ``texts[KEY]``."""
+        return [PLACEHOLDER.sub(lambda m: texts[m.group(1)], word) for word in self.command]
 
 
 def compose(overrides: list[str]) -> DictConfig:
@@ -224,19 +274,23 @@ def compose(overrides: list[str]) -> DictConfig:
                            "See conf/sweeper.yaml and the studies in conf/sweep/.")
 
 
-def plan(overrides: list[str], trainer_args: list[str]) -> Plan:
-    """Compose and check a sweep: sweep-grammar values after `--` join sweep.params.
-    Raises ConfigError naming every problem; touches no file and starts nothing."""
+def plan(overrides: list[str], after_dashes: list[str]) -> Plan:
+    """Compose and check a sweep: sweep.params.KEY=EXPRESSION overrides join
+    sweep.params; after `--`, the trainer's overrides (whose sweep-grammar values join
+    sweep.params) or a command. Raises ConfigError naming every problem; writes no file
+    and starts nothing."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    cfg = compose(overrides)
+    given = {m.group(1): m.group(2) for o in overrides if (m := _PARAM_OVERRIDE.match(o))}
+    cfg = compose([o for o in overrides if not _PARAM_OVERRIDE.match(o)])
     sweep = cfg.sweep
+    trainer_args, command = split_command(after_dashes)
     try:
         parsed = OverridesParser.create().parse_overrides(trainer_args)
     except HydraException as e:
         raise ConfigError(f"trainer arguments after --: {e}") from e
-    params = dict(sweep.params)
+    params = dict(sweep.params) | given
     params |= {o.key_or_group: o.input_line.split("=", 1)[1] for o in parsed
                if o.is_sweep_override()}
     args = [*sweep.args, *(o.input_line for o in parsed if not o.is_sweep_override())]
@@ -245,24 +299,23 @@ def plan(overrides: list[str], trainer_args: list[str]) -> Plan:
     if not space:
         problems.append("sweep.params is empty: name at least one KEY: choice(...), "
                         "range(...) or interval(...) to search over")
-    objectives = {k: METRICS.get(k, "") for k in sweep.objectives}
+    if command:
+        problems += _command_problems(sweep, command, space)
+    objectives = _objectives(list(sweep.objectives), problems)
     priced = sweep.hourly_price is not None or sweep.cluster is not None
-    problems += filter(None, (one_of("sweep.objectives", k, list(METRICS)) for k in objectives))
-    if len(objectives) < len(sweep.objectives):
-        problems.append(f"sweep.objectives={list(sweep.objectives)}: a metric twice")
-    if not objectives:
-        problems.append(f"sweep.objectives is empty; valid: {', '.join(METRICS)}")
     if "dollars" in objectives and not priced:
         problems.append("sweep.objectives: dollars needs a price: sweep.hourly_price=USD "
                         "(this machine's $/hour) or sweep.cluster=RUN_ID")
     sampler, trials = _sampler(sweep, space, len(objectives), problems)
     if sweep.pruner != "none":
         first = next(iter(objectives), None)
-        if len(objectives) != 1 or first not in PRUNABLE:
+        prunable = [m for m in (PRUNABLE if not command else objectives) if m != "dollars"]
+        if len(objectives) != 1 or first not in prunable:
             problems.append(
                 f"sweep.pruner={sweep.pruner} with objectives {', '.join(objectives)}: a "
                 f"pruner judges one objective reported at every evaluation; valid: "
-                f"{' or '.join(PRUNABLE)} alone, or sweep.pruner=none")
+                f"{' or '.join(prunable) or 'a metric of kind=test records'} alone, or "
+                "sweep.pruner=none")
     for key, value in {"sweep.parallel": sweep.parallel, "sweep.workers": sweep.workers,
                        "sweep.nodes": sweep.nodes}.items():
         if value < 1:
@@ -277,8 +330,68 @@ def plan(overrides: list[str], trainer_args: list[str]) -> Plan:
                         "either as SLURM jobs or on a launched cluster; choose one")
     if problems:
         raise ConfigError("bad sweep:\n  - " + "\n  - ".join(problems))
-    check_trials(args, space)
-    return Plan(cfg, space, args, objectives, sampler, trials)
+    uri = sweep.checkpoint_uri
+    if not command:
+        uri = uri or check_trials(args, space).checkpoint.uri
+    return Plan(cfg, space, args, objectives, sampler, trials, command, uri)
+
+
+def _command_problems(sweep: DictConfig, command: list[str], space: list[Param]) -> list[str]:
+    """What is wrong with a sweep of the user's ``command``: its script not in the
+    project (this directory), a param it has no placeholder for, a placeholder no param
+    fills, trainer overrides it cannot take."""
+    problems = []
+    try:
+        project.check_command(Path.cwd(), command)
+    except ConfigError as e:
+        problems.append(str(e))
+    shown = " ".join(command)
+    holes = list(dict.fromkeys(m.group(1) for word in command
+                               for m in PLACEHOLDER.finditer(word)))
+    unused = [p.key for p in space if p.key not in holes]
+    if unused:
+        problems.append(
+            f"sweep.params {', '.join(unused)}: not in the command `{shown}`; write each "
+            f"where the script takes its value ({' '.join(f'{{{k}}}' for k in unused)}, "
+            "e.g. `--lr {lr}`), or start from sweep=custom, which has no params")
+    unknown = [h for h in holes if h not in {p.key for p in space}]
+    if unknown:
+        problems.append(
+            f"the command's {', '.join(f'{{{h}}}' for h in unknown)}: no such param; "
+            f"valid: {', '.join(f'{{{p.key}}}' for p in space) or 'none'} (add one with "
+            f"'sweep.params.{unknown[0]}=choice(...)')")
+    if sweep.args:
+        problems.append(f"sweep.args={list(sweep.args)}: trainer overrides, and the trials "
+                        f"run the command `{shown}`; put fixed arguments in the command")
+    return problems
+
+
+def _objectives(names: list[str], problems: list[str]) -> dict[str, str]:
+    """sweep.objectives as metric -> direction: METRICS' own, NAME:min|max for others."""
+    objectives: dict[str, str] = {}
+    for entry in names:
+        name, _, given = entry.partition(":")
+        direction = DIRECTIONS.get(given) if given else METRICS.get(name)
+        if given and direction is None:
+            problems.append(f"sweep.objectives: {entry}: unknown direction {given!r}; "
+                            f"valid: {name}:min or {name}:max")
+        elif direction is None:
+            close = difflib.get_close_matches(name, list(METRICS), n=1)
+            problems.append(
+                f"sweep.objectives: {name}: not a metric spotring knows the direction of"
+                f"{f' (did you mean {close[0]}?)' if close else ''}; known: "
+                f"{', '.join(METRICS)}; for a number your script reports in summary.json, "
+                f"give its direction: {name}:min or {name}:max")
+        elif name in METRICS and direction != METRICS[name]:
+            problems.append(f"sweep.objectives: {entry}: {name} is always {METRICS[name]}d")
+        elif name in objectives:
+            problems.append(f"sweep.objectives={names}: {name} twice")
+        else:
+            objectives[name] = direction
+    if not names:
+        problems.append(f"sweep.objectives is empty; valid: {', '.join(METRICS)}, or "
+                        "NAME:min / NAME:max")
+    return objectives
 
 
 def _sampler(sweep: DictConfig, space: list[Param], objectives: int,
@@ -303,20 +416,22 @@ def _sampler(sweep: DictConfig, space: list[Param], objectives: int,
     return name, trials
 
 
-def check_trials(args: list[str], space: list[Param]) -> None:
+def check_trials(args: list[str], space: list[Param]) -> DictConfig:
     """Compose and validate the trainer config of the fixed arguments with each value
     that stands for a dimension, so that an unknown key, a bad group option or a value
-    the trainer refuses stops the sweep before any trial."""
-    base = [a for a in args]
-    trainer_config.validate(trainer_config.compose(base))
+    the trainer refuses stops the sweep before any trial. Returns the fixed arguments'
+    config."""
+    base = trainer_config.compose(args)
+    trainer_config.validate(base)
     problems = []
     for param in space:
         for value in param.values_to_check():
             try:
-                trainer_config.validate(trainer_config.compose([*base, param.override(value)]))
+                trainer_config.validate(trainer_config.compose([*args, param.override(value)]))
             except ConfigError as e:
                 problems.append(f"sweep.params: {param.key}={override_text(value)} "
                                 f"(from {param.expression}): {e}")
                 break
     if problems:
         raise ConfigError("a trial would not start:\n  - " + "\n  - ".join(problems))
+    return base

@@ -1,8 +1,9 @@
 """The sweep's report: SWEEP_DIR/sweep_report.md and its PNGs, from plain rows.
 
     sweep_report.md           the study, its trial counts, objectives and command; the best
-                              trial (or the Pareto set) with its config and how to train it
-                              again; one table of every trial, best first
+                              trial (or the Pareto set) with its config (the trainer) or its
+                              command line (a command of the user's) to train it again; one
+                              table of every trial, best first
     optimization_history.png  objective 1 per trial and the best so far (complete trials)
     pareto_front.png          two objectives against each other, Pareto members joined
                               (two or more objectives only)
@@ -36,7 +37,7 @@ class TrialRow:
     params: dict[str, str]  # override key -> value as the trial got it
     summary: dict[str, Any] | None  # the trial's summary.json (None if it did not finish)
     values: list[float] | None  # the objective values Optuna was told (complete trials)
-    restarts: int  # times it was resumed from its checkpoint
+    restarts: int  # attempts after its first (each resumed from its checkpoint, if any)
     wall_seconds: float  # wall time of all its attempts
     dollars: float | None  # None when the sweep has no price
     note: str  # why it failed or was pruned; "" otherwise
@@ -77,7 +78,8 @@ METRICS = {
     "peak_memory_mb": Metric("peak memory", "MiB", spec=".0f"),
     "dollars": Metric("dollars", spec=".3f"),
 }
-# The table's columns read from each trial's summary.json, in this order.
+# The table's columns read from each trial's summary.json, in this order, where any
+# trial's has them (a script's summary.json holds what it reported).
 SUMMARY_COLUMNS = ("test_accuracy", "test_loss", "train_seconds", "parameters", "parameter_mb")
 
 
@@ -108,8 +110,11 @@ def pareto_front(values: list[list[float]], directions: list[str]) -> list[int]:
 
 
 def write(sweep_dir: Path, name: str, objectives: dict[str, str], rows: list[TrialRow],
-          best: list[int], best_config: Path | None, command: str) -> Path:
-    """Write sweep_dir/sweep_report.md (+ PNGs), return its path."""
+          best: list[int], best_config: Path | None, command: str,
+          best_command: list[str] | None = None) -> Path:
+    """Write sweep_dir/sweep_report.md (+ PNGs), return its path. ``best_config`` (the
+    trainer's) or ``best_command`` (the user's command with the best trial's values):
+    how to train the best trial again."""
     sweep_dir = Path(sweep_dir)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     by_number = {r.number: r for r in rows}
@@ -121,7 +126,7 @@ def write(sweep_dir: Path, name: str, objectives: dict[str, str], rows: list[Tri
         f"```sh\n{command}\n```\n\nThe same command in the same directory continues the "
         "study; finished trials are not run again.",
         _best(sweep_dir, objectives, [by_number[n] for n in best if n in by_number],
-              best_config),
+              best_config, best_command),
         "## Trials",
         _trials(objectives, rows, pareto),
     ]
@@ -150,20 +155,23 @@ def _overview(objectives: dict[str, str], rows: list[TrialRow]) -> str:
 
 
 def _best(sweep_dir: Path, objectives: dict[str, str], best: list[TrialRow],
-          best_config: Path | None) -> str:
+          best_config: Path | None, best_command: list[str] | None) -> str:
     if not best:
         return "## Best trial\n\nNo trial has completed yet."
     several = len(objectives) > 1
     lines = [f"- {_one(r, objectives)}" for r in best]
     parts = [f"## Pareto front ({len(best)} trials)" if several else "## Best trial",
              "\n".join(lines) if several else lines[0][2:]]
+    whose = f" (trial {best[0].number}, the first of the front)" if several else ""
     if best_config is not None:
         link = Path(os.path.relpath(best_config, sweep_dir)).as_posix()
-        whose = f" (trial {best[0].number}, the first of the front)" if several else ""
         train = (f"spotring train --config-dir {shlex.quote(str(best_config.parent))} "
                  f"--config-name {shlex.quote(best_config.stem)}")
         parts.append(f"Its config{whose}: [{link}]({link}); train it again with\n\n"
                      f"```sh\n{train}\n```")
+    if best_command is not None:
+        parts.append(f"Its command{whose}, to train it again from the project directory:"
+                     f"\n\n```sh\n{shlex.join(best_command)}\n```")
     return "\n\n".join(parts)
 
 
@@ -182,8 +190,9 @@ def _trials(objectives: dict[str, str], rows: list[TrialRow], pareto: set[int]) 
     # from what Optuna was told; dollars has its column already.
     extra = [(i, k) for i, k in enumerate(keys) if k not in SUMMARY_COLUMNS and k != "dollars"]
     priced = any(r.dollars is not None for r in rows)
+    shown = [k for k in SUMMARY_COLUMNS if any(k in (r.summary or {}) for r in rows)]
     headers = (["trial", "state"] + (["pareto"] if pareto else []) + params
-               + [metric(k).header for k in SUMMARY_COLUMNS]
+               + [metric(k).header for k in shown]
                + [metric(k).header for _, k in extra] + ["restarts"]
                + (["dollars"] if priced else []) + ["note"])
     body = []
@@ -193,7 +202,7 @@ def _trials(objectives: dict[str, str], rows: list[TrialRow], pareto: set[int]) 
         if pareto:
             cells.append("★" if r.number in pareto else "")
         cells += [r.params.get(k, "") for k in params]
-        cells += [_cell(k, summary.get(k)) for k in SUMMARY_COLUMNS]
+        cells += [_cell(k, summary.get(k)) for k in shown]
         cells += [_cell(k, r.values[i] if r.values else None) for i, k in extra]
         cells.append(str(r.restarts))
         if priced:

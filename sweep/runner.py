@@ -3,12 +3,23 @@ to the study, until the study has its trials.
 
 Every trial is a whole spotring training job in SWEEP_DIR/trials/NNN/ (train.log,
 metrics.jsonl, tensorboard/, checkpoints/, summary.json, and trial.log: what its
-processes printed). How a trial ends decides what the study records:
+processes printed): the trainer, or the user's command with the trial's values in its
+placeholders. Every process of it gets the contract's variables (launch/contract.py):
 
-    summary.json written          complete, with the objectives read from it
+    SPOTRING_RUN_ID          NAME/NNN, the same for every attempt of the trial
+    SPOTRING_RUN_DIR         its run directory (on a cluster: on its slice's first node)
+    SPOTRING_RESTART         0 on its first attempt, then 1, 2, ... (the report's restarts)
+    SPOTRING_CHECKPOINT_URI  URI/sweeps/NAME/trials/NNN, where the sweep has a URI
+    SPOTRING_PARAMS          its values as JSON, {"lr": 0.0123, "batch": 16}
+
+How a trial ends decides what the study records:
+
+    summary.json written          complete, with the objectives read from it (failed
+                                  where it lacks one)
     the pruner stopped it         pruned (at its last reported evaluation)
     diverged.json (exit 65)       failed: the loss became NaN or infinite
-    bad input (exit 2)            failed: the trainer refused its configuration
+    bad input (exit 2)            failed: the trainer (or the command) refused its
+                                  arguments
     anything else (killed,        resumed from its own checkpoint, in the same run
     preempted, a rank lost)       directory, up to sweep.max_retries times; then failed
 
@@ -17,7 +28,11 @@ leaves whatever the launcher (torchrun exits 1) makes of the trainer's exit 65.
 
 A slot is free again the moment its trial ends. Trials the study holds as running when
 the sweep starts (a sweep that was stopped or killed) resume first; finished ones are
-never run again.
+never run again. Two counts per trial, both in the study (user attrs), so that they
+outlive the sweep process and the Trial objects, which are new on every attempt:
+`starts`, its attempts (restarts = starts - 1, whatever stopped the one before), and
+`retries`, those charged to the trial (killed or preempted while the sweep ran) against
+sweep.max_retries.
 """
 
 from __future__ import annotations
@@ -35,18 +50,20 @@ import optuna
 from omegaconf import OmegaConf
 from optuna.trial import TrialState
 
+from launch import contract
 from launch.job_command import NOTES
 from spotring.exits import DIVERGED, Outcome, classify
 from spotring.stores import write_atomic
 from sweep import report
-from sweep.config import PRUNABLE, Plan
-from sweep.slots import TRIAL_LOG, Attempt, Slot
+from sweep.config import Plan, record_field
+from sweep.slots import TRIAL_LOG, Attempt, Slot, Work
 from sweep.study import Study
 
 log = logging.getLogger("launch")
 POLL_S = 1.0  # how often trials are checked for their end and new evaluations
 STATES = {TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned",
           TrialState.FAIL: "failed", TrialState.RUNNING: "running", TrialState.WAITING: "running"}
+PARAMS = "SPOTRING_PARAMS"  # a trial's values as JSON, for scripts that read them there
 
 
 @dataclass
@@ -65,12 +82,12 @@ class Running:
 
 
 class Runner:
-    def __init__(self, plan: Plan, study: Study, slots: list[Slot], sweep_dir: Path,
-                 checkpoint_uri: str | None) -> None:
+    def __init__(self, plan: Plan, study: Study, slots: list[Slot], sweep_dir: Path) -> None:
         self.plan, self.study, self.sweep_dir = plan, study, sweep_dir
         self.free: deque[Slot] = deque(slots)
         self.running: dict[int, Running] = {}
-        self.checkpoint_uri = checkpoint_uri.rstrip("/") if checkpoint_uri else None
+        uri = plan.checkpoint_uri
+        self.checkpoint_uri = uri.rstrip("/") if uri else None
         # Trials a stopped sweep left running: they resume before any new one starts.
         self.resume: deque[int] = deque(
             t.number for t in study.study.get_trials(deepcopy=False)
@@ -109,18 +126,27 @@ class Runner:
 
     def _params(self, sampled: dict[str, Any]) -> dict[str, str]:
         """KEY -> the value a trial's command line gets, for Optuna's sampled values."""
-        return {p.key: p.override(sampled[p.key]).split("=", 1)[1] for p in self.plan.params}
+        return {p.key: p.text(sampled[p.key]) for p in self.plan.params}
 
     def trial_dir(self, number: int) -> Path:
         return self.sweep_dir / "trials" / f"{number:03d}"
 
-    def _args(self, trial: optuna.trial.Trial) -> list[str]:
-        params = [f"{k}={v}" for k, v in self._params(trial.params).items()]
+    def _work(self, trial: optuna.trial.Trial, slot: Slot, restart: int) -> Work:
+        """The trial's attempt number ``restart`` (0 the first) on ``slot``."""
+        name, number = self.plan.cfg.sweep.name, trial.number
+        # Each trial resumable anywhere, from its own prefix.
+        uri = (f"{self.checkpoint_uri}/sweeps/{name}/trials/{number:03d}"
+               if self.checkpoint_uri else None)
+        env = contract.environment(f"{name}/{number:03d}", slot.run_dir(self.trial_dir(number)),
+                                   restart, uri)
+        env[PARAMS] = json.dumps({p.key: p.value(trial.params[p.key])
+                                  for p in self.plan.params})
+        texts = self._params(trial.params)
+        if self.plan.command:
+            return Work([], self.plan.command_for(texts), env)
         args = [a for a in self.plan.args if not a.startswith("checkpoint.uri=")]
-        if self.checkpoint_uri:  # each trial resumable anywhere, from its own prefix
-            args.append(f"checkpoint.uri={self.checkpoint_uri}/sweeps/"
-                        f"{self.plan.cfg.sweep.name}/trials/{trial.number:03d}")
-        return [*args, *params]
+        args += [f"checkpoint.uri={uri}"] if uri else []
+        return Work([*args, *(f"{k}={v}" for k, v in texts.items())], [], env)
 
     def _start(self, trial: optuna.trial.Trial, slot: Slot) -> None:
         trial_dir = self.trial_dir(trial.number)
@@ -133,11 +159,16 @@ class Runner:
         else:
             for note in NOTES:  # from an attempt before this one
                 (trial_dir / note).unlink(missing_ok=True)
+            # Counted in the study before it starts: a sweep killed during the attempt
+            # (a lost machine) leaves the count right for the one that continues it.
+            starts = frozen.user_attrs.get("starts", 0)
+            trial.set_user_attr("starts", starts + 1)
+            self.study.save()
             _stamp(out, f"starts on {slot.label}")
-            attempt = slot.start(trial_dir, self._args(trial), out)
+            attempt = slot.start(trial_dir, self._work(trial, slot, starts), out)
         self.running[trial.number] = Running(trial, slot, attempt, out,
                                              reported=set(frozen.intermediate_values))
-        retry = frozen.user_attrs.get("restarts", 0)
+        retry = frozen.user_attrs.get("retries", 0)
         log.info("sweep: trial %d %s on %s: %s%s", trial.number,
                  "resumes" if any(trial_dir.glob("checkpoints/ckpt-*.json")) else "starts",
                  slot.label,
@@ -162,7 +193,9 @@ class Runner:
             if record.get("kind") != "test" or record["step"] in running.reported:
                 continue
             running.reported.add(record["step"])
-            value = record[PRUNABLE[metric]]
+            value = record.get(record_field(metric))
+            if not isinstance(value, int | float):
+                continue  # a script's test record without this metric: nothing to judge
             running.trial.report(value, record["step"])
             if running.trial.should_prune():
                 running.pruned = f"pruned at step {record['step']} ({metric} {value:.4g})"
@@ -186,11 +219,17 @@ class Runner:
             running.trial.set_user_attr("dollars", running.slot.hourly_price * wall / 3600)
         summary = _read_json(trial_dir / "summary.json") if code == 0 else None
         diverged = _read_json(trial_dir / DIVERGED)
-        restarts = attrs.get("restarts", 0)
+        retries = attrs.get("retries", 0)
         if running.pruned:
             self._tell(running, running.pruned, state=TrialState.PRUNED)
         elif summary is not None:
             metrics = summary | {"dollars": running.trial.user_attrs.get("dollars")}
+            missing = [m for m in self.plan.objectives
+                       if not isinstance(metrics.get(m), int | float)]
+            if missing:
+                self._tell(running, f"summary.json has no number for {', '.join(missing)} "
+                                    f"(it has {', '.join(summary)})", state=TrialState.FAIL)
+                return
             values = [float(metrics[m]) for m in self.plan.objectives]
             shown = ", ".join(f"{m} {v:.4g}" for m, v in zip(self.plan.objectives, values,
                                                               strict=True))
@@ -199,16 +238,17 @@ class Runner:
             self._tell(running, f"diverged at step {diverged['step']} (loss "
                                 f"{diverged['loss']})", state=TrialState.FAIL)
         elif classify(code) is Outcome.BAD_INPUT:
-            self._tell(running, f"the trainer refused its configuration (see "
+            who = "the command" if self.plan.command else "the trainer"
+            self._tell(running, f"{who} refused its arguments (exit {code}; see "
                                 f"{trial_dir / TRIAL_LOG})", state=TrialState.FAIL)
-        elif restarts < sweep.max_retries:
-            running.trial.set_user_attr("restarts", restarts + 1)
+        elif retries < sweep.max_retries:
+            running.trial.set_user_attr("retries", retries + 1)
             running.trial.set_user_attr("note", f"exit {code}; resumed from its checkpoint")
             log.info("sweep: trial %d stopped (exit %d); it resumes from its checkpoint "
-                     "(retry %d of %d)", number, code, restarts + 1, sweep.max_retries)
+                     "(retry %d of %d)", number, code, retries + 1, sweep.max_retries)
             self.resume.appendleft(number)
         else:
-            self._tell(running, f"exit {code} after {restarts} retries (see "
+            self._tell(running, f"exit {code} after {retries} retries (see "
                                 f"{trial_dir / TRIAL_LOG})", state=TrialState.FAIL)
 
     def _tell(self, running: Running, note: str, values: list[float] | None = None,
@@ -237,16 +277,20 @@ class Runner:
             number=t.number, state=STATES[t.state], params=self._params(t.params),
             summary=_read_json(self.trial_dir(t.number) / "summary.json")
             if t.state == TrialState.COMPLETE else None,
-            values=t.values, restarts=t.user_attrs.get("restarts", 0),
+            values=t.values, restarts=max(t.user_attrs.get("starts", 0) - 1, 0),
             wall_seconds=t.user_attrs.get("wall_seconds", 0.0),
             dollars=t.user_attrs.get("dollars"), note=t.user_attrs.get("note", ""),
             run_dir=str(self.trial_dir(t.number).relative_to(self.sweep_dir)))
             for t in trials]
         best = [t.number for t in study.best_trials] if any(
             t.state == TrialState.COMPLETE for t in trials) else []
-        best_config = self._best_config(trials[best[0]]) if best else None
+        best_config, best_command = None, None  # how to train the best trial again
+        if best and self.plan.command:
+            best_command = self.plan.command_for(self._params(trials[best[0]].params))
+        elif best:
+            best_config = self._best_config(trials[best[0]])
         return report.write(self.sweep_dir, self.plan.cfg.sweep.name, self.plan.objectives,
-                            rows, best, best_config, command)
+                            rows, best, best_config, command, best_command)
 
     def _best_config(self, trial: optuna.trial.FrozenTrial) -> Path:
         """BEST.yaml: the trainer's config with the best trial's overrides, which

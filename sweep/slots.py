@@ -8,6 +8,18 @@
     a cluster             sweep.parallel slices of sweep.nodes nodes of a run `spotring
                           up` brought up; a trial is the launcher's job across them, as
                           `spotring run` starts it (launch/job_command.py)
+    SLURM                 a SLURM job of sweep.nodes nodes x sweep.workers tasks (srun)
+
+A trial (Work) is the trainer with its overrides, or the user's command:
+
+    here, 1 worker        python -m trainer hydra.run.dir=DIR ARGS      CMD
+    here, W workers       torchrun --standalone --nproc-per-node W ...
+                                   -m trainer ...                       ... --no-python CMD
+    a cluster             launch.job_command.build's job, with the trainer or CMD
+    SLURM                 srun ... python -m trainer ...                srun ... CMD
+
+Every process of it gets Work.env: the contract's variables (launch/contract.py), with
+SPOTRING_RUN_DIR the trial's run directory (Slot.run_dir), and SPOTRING_PARAMS.
 
 A trial's run directory is SWEEP_DIR/trials/NNN here. On a cluster rank 0 writes it
 on the slice's first node, from where it is read while the trial runs and brought back
@@ -21,7 +33,6 @@ import contextlib
 import ctypes
 import logging
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -30,11 +41,13 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from launch import hostfile, job_command, sync
-from launch.commands import local_command, local_environment
+from launch import hostfile, job_command, project, sync
+from launch.commands import BIN, local_command, local_environment
+from launch.contract import RUN_DIR
 from launch.provider import Node
 from launch.rundir import RunDir
 from launch.ssh import RemoteError, Ssh, on_each
@@ -77,14 +90,31 @@ class Attempt:
                 continue
 
 
+@dataclass(frozen=True)
+class Work:
+    """What one attempt of a trial runs: the trainer with ``args``, or ``command``."""
+
+    args: list[str]  # the trainer's overrides (none with a command)
+    command: list[str]  # the user's command, its placeholders filled; [] for the trainer
+    env: dict[str, str]  # what every process of it gets
+
+    def program(self, trial_dir: Path) -> list[str]:
+        """The command, or the trainer's arguments after `python -m trainer` here."""
+        return self.command or [f"hydra.run.dir={trial_dir}", *self.args]
+
+
 class Slot:
     """Where one trial runs; ``hourly_price``: what its share costs, where known."""
 
     label: str
     hourly_price: float | None
 
-    def start(self, trial_dir: Path, args: list[str], log: IO[bytes]) -> Attempt:
+    def start(self, trial_dir: Path, work: Work, log: IO[bytes]) -> Attempt:
         raise NotImplementedError
+
+    def run_dir(self, trial_dir: Path) -> str:
+        """Where rank 0 of the trial writes (SPOTRING_RUN_DIR): here, the trial dir."""
+        return str(trial_dir)
 
     def read(self, trial_dir: Path, name: str) -> str | None:
         """A file of the trial's run directory while it runs (None if not there yet)."""
@@ -102,9 +132,15 @@ class LocalSlot(Slot):
         self.label, self.workers, self.env, self.cores = label, workers, env, cores
         self.hourly_price = None if machine_price is None else machine_price * share
 
-    def start(self, trial_dir: Path, args: list[str], log: IO[bytes]) -> Attempt:
-        launcher = "single" if self.workers == 1 else "torchrun"
-        argv = local_command(launcher, self.workers, [f"hydra.run.dir={trial_dir}", *args])
+    def start(self, trial_dir: Path, work: Work, log: IO[bytes]) -> Attempt:
+        if not work.command:
+            launcher = "single" if self.workers == 1 else "torchrun"
+            argv = local_command(launcher, self.workers, work.program(trial_dir))
+        elif self.workers == 1:
+            argv = work.command
+        else:
+            argv = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node",
+                    str(self.workers), "--no-python", *work.command]
         cores = self.cores
 
         def in_child() -> None:
@@ -112,7 +148,7 @@ class LocalSlot(Slot):
                 os.sched_setaffinity(0, cores)
             _ends_with_sweep()
 
-        proc = subprocess.Popen(argv, env=local_environment(**self.env), stdout=log,
+        proc = subprocess.Popen(argv, env=local_environment(**self.env, **work.env), stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, preexec_fn=in_child)
         return Attempt([proc], group=True)
@@ -162,15 +198,19 @@ class RemoteAttempt(Attempt):
     connections close as they end, and those left after the grace are hung up."""
 
     def __init__(self, procs: Sequence[subprocess.Popen], ssh: Ssh, nodes: list[Node],
-                 results: str) -> None:
+                 run_dir: str) -> None:
         super().__init__(procs, group=False)
         self.ssh, self.nodes = ssh, nodes
-        # [h]: the shell that runs this has the pattern in its command line too. Not ssh
-        # clients, whose ends would hang up what they started: horovodrun's on node 0,
-        # and on a local cluster, whose nodes share one process table, the sweep's own.
-        pattern = shlex.quote("[h]" + re.escape(f"ydra.run.dir={results}") + "( |$)")
-        self.kill = (f"found=1; for pid in $(pgrep -f -- {pattern}); do "
-                     'if [ "$(cat /proc/$pid/comm 2>/dev/null)" != ssh ]; then '
+        # Its processes, the trainer's or a command's, by SPOTRING_RUN_DIR in their
+        # environment (job_command gives it to every process of the job; their command
+        # lines need not name the run directory). Not ssh clients, whose ends would hang
+        # up what they started: horovodrun's on node 0, and on a local cluster, whose
+        # nodes share one process table, the sweep's own.
+        mark = shlex.quote(f"{RUN_DIR}={run_dir}")
+        self.kill = ("found=1; for env in /proc/[0-9]*/environ; do "
+                     "pid=${env#/proc/}; pid=${pid%/environ}; "
+                     f"if tr '\\0' '\\n' 2>/dev/null < $env | grep -qxF -- {mark} && "
+                     '[ "$(cat /proc/$pid/comm 2>/dev/null)" != ssh ]; then '
                      'kill -TERM "$pid" 2>/dev/null && found=0; fi; done; exit $found')
 
     def stop(self) -> None:
@@ -197,7 +237,10 @@ class ClusterSlot(Slot):
         """The trial's run directory on the slice's first node, relative to the workdir."""
         return job_command.results_dir(f"sweeps/{self.sweep_name}/{trial_dir.name}")
 
-    def start(self, trial_dir: Path, args: list[str], log: IO[bytes]) -> Attempt:
+    def run_dir(self, trial_dir: Path) -> str:
+        return f"{self.workdir}/{self._results(trial_dir)}"
+
+    def start(self, trial_dir: Path, work: Work, log: IO[bytes]) -> Attempt:
         results = self._results(trial_dir)
         remote = shlex.quote(f"{self.workdir}/{results}")
         # Whatever an earlier attempt left, on whichever slice: its newest checkpoint.
@@ -207,14 +250,15 @@ class ClusterSlot(Slot):
         if files:
             self.ssh.run(self.nodes[0], f"tar -xzmf - -C {remote}", input=sync.tar(files))
         run_id = results.removeprefix("runs/")
-        job = job_command.build(self.launcher, self.nodes, self.workdir, run_id, args)
+        job = job_command.build(self.launcher, self.nodes, self.workdir, run_id, work.args,
+                                command=work.command, env=work.env, results=results)
         # A session of their own: a Ctrl-C here reaches the sweep, which stops the trial
         # (RemoteAttempt.stop), not the connections, whose end would kill it outright.
         procs = [self.ssh.popen(self.nodes[i], command, tty=True, stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=_ends_with_sweep)
                  for i, command in sorted(job.commands.items())]
-        return RemoteAttempt(procs, self.ssh, self.nodes, results)
+        return RemoteAttempt(procs, self.ssh, self.nodes, self.run_dir(trial_dir))
 
     def read(self, trial_dir: Path, name: str) -> str | None:
         path = shlex.quote(f"{self.workdir}/{self._results(trial_dir)}/{name}")
@@ -231,13 +275,14 @@ class ClusterSlot(Slot):
 
 
 def cluster_slots(run_id: str, runs_dir: str, parallel: int, nodes_per_trial: int,
-                  launcher: str, sweep_name: str, hourly_price: float | None) -> list[Slot]:
+                  launcher: str, command: list[str], sweep_name: str,
+                  hourly_price: float | None) -> list[Slot]:
     """The nodes of a run `spotring up` brought up (run_id, or "latest" for the newest),
-    ``nodes_per_trial`` to a slot; the code goes onto them first, as `spotring run`
-    copies it."""
+    ``nodes_per_trial`` to a slot; the project (this directory) and the environment
+    that runs ``command`` (or the trainer) go onto them first, as `spotring run` does."""
     from launch import config as launch_config
     from launch.clusters import provider_for
-    from launch.run import ssh_for
+    from launch.run import prepare, ssh_for
 
     run = RunDir.find(runs_dir, None if run_id == "latest" else run_id)
     cfg = launch_config.with_saved_cluster(launch_config.compose([]), run.config, [])
@@ -250,23 +295,21 @@ def cluster_slots(run_id: str, runs_dir: str, parallel: int, nodes_per_trial: in
             f"sweep.parallel={parallel} x sweep.nodes={nodes_per_trial} = "
             f"{parallel * nodes_per_trial} nodes, and run {run.id} has {len(nodes)}; valid: "
             f"parallel x nodes <= {len(nodes)}")
+    project.check(Path.cwd(), command, cfg.job.max_project_mb)
     provider, ssh = provider_for(cfg, run), ssh_for(cfg, run)
-    count = sync.push(ssh, nodes, provider.workdir, run)
-    log.info("sweep: copied %d files to %s on the %d nodes of run %s", count,
-             provider.workdir, len(nodes), run.id)
-    if cfg.cluster.setup:
-        sync.setup(ssh, nodes, provider.workdir, cfg.cluster.setup)
+    cfg.job.launcher, cfg.job.command = launcher, command  # what the environment is for
+    prepare(cfg, run, provider, nodes, ssh)
     slices = [nodes[i * nodes_per_trial:(i + 1) * nodes_per_trial] for i in range(parallel)]
     if launcher != "torchrun":
-        _hosts_of_each_slice(ssh, run, provider.workdir, slices)
+        _hosts_of_each_slice(ssh, provider.workdir, slices)
     return [ClusterSlot(part, ssh, provider.workdir, launcher, sweep_name, hourly_price)
             for part in slices]
 
 
-def _hosts_of_each_slice(ssh: Ssh, run: RunDir, workdir: str, slices: list[list[Node]]) -> None:
-    """horovodrun and mpirun start the ranks from the first node of a slice, over ssh, on
-    the hosts of `hosts` in its workdir: there, the slice's nodes alone (not the run's,
-    which `push` put on node 0), and the run's key and known_hosts in its ~/.ssh."""
+def _hosts_of_each_slice(ssh: Ssh, workdir: str, slices: list[list[Node]]) -> None:
+    """horovodrun and mpirun start the ranks from the first node of a slice, over ssh
+    (the run's key, which every node has), on the hosts of `hosts` in its workdir:
+    there, the slice's nodes alone, not the run's, which `prepare` put on node 0."""
     slice_of = {s[0].id: s for s in slices}
 
     def give(first: Node) -> None:
@@ -275,9 +318,6 @@ def _hosts_of_each_slice(ssh: Ssh, run: RunDir, workdir: str, slices: list[list[
             hostfile.write(slice_of[first.id], hosts, mpich)
             ssh.run(first, f"tar -xzmf - -C {shlex.quote(workdir)}",
                     input=sync.tar({"hosts": hosts, "hosts.mpich": mpich}))
-        ssh.run(first, "mkdir -p -m 700 ~/.ssh && tar -xzmf - -C ~/.ssh",
-                input=sync.tar({"id_ed25519": run.key, "known_hosts": run.known_hosts},
-                               mode=0o600))
 
     on_each([s[0] for s in slices], give)
 
@@ -313,12 +353,13 @@ class SlurmSlot(Slot):
         self.nodes, self.workers, self.options = nodes, workers, options
         self.sweep_name, self.hourly_price = sweep_name, hourly_price
 
-    def start(self, trial_dir: Path, args: list[str], log: IO[bytes]) -> Attempt:
+    def start(self, trial_dir: Path, work: Work, log: IO[bytes]) -> Attempt:
         job_name = f"spotring-{self.sweep_name}-{trial_dir.name}"
         argv = ["srun", f"--nodes={self.nodes}", f"--ntasks-per-node={self.workers}",
                 f"--job-name={job_name}", "--kill-on-bad-exit=0", *self.options,
-                *local_command("single", 1, [f"hydra.run.dir={trial_dir}", *args])]
-        proc = subprocess.Popen(argv, env=local_environment(), stdout=log,
+                *(work.command or local_command("single", 1, work.program(trial_dir)))]
+        # srun passes this environment on to every task (--export=ALL, its default).
+        proc = subprocess.Popen(argv, env=local_environment(**work.env), stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, preexec_fn=_ends_with_sweep)
         return SlurmAttempt(proc, job_name)

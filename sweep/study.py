@@ -2,10 +2,10 @@
 
 The study lives in SWEEP_DIR/study.journal, Optuna's journal storage: an append-only
 log of every ask, report and tell, which a crash can cut short but never corrupt, and
-which needs no database server. With checkpoint.uri=s3://... among the trial
-arguments it is also uploaded to URI/sweeps/NAME/study.journal after every change of a
-trial's state, and downloaded from there when the sweep directory is new (a sweep that
-resumes on another machine).
+which needs no database server. With sweep.checkpoint_uri=s3://... (or the trainer's
+checkpoint.uri among the trial arguments) it is also uploaded to
+URI/sweeps/NAME/study.journal at every start and end of a trial, and downloaded from
+there when the sweep directory is new (a sweep that resumes on another machine).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class Study:
                 "start another study with sweep.dir=NEW_DIR (or sweep.name=NEW_NAME)")
 
     def save(self) -> None:
-        """The journal to checkpoint.uri, where one was given."""
+        """The journal to the sweep's checkpoint URI, where it has one."""
         if self.remote is not None:
             self.remote.write(JOURNAL, self.path.read_bytes())
 

@@ -106,15 +106,15 @@ def _main_in(cwd: Path, main, argv: list[str]) -> tuple[int, str]:
     return code, out.getvalue()
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
-def test_a_users_script_survives_a_spot_notice_from_a_pip_install(venv, tmp_path):
-    reference = user_script.reference(tmp_path / "ref", *STEPS)
-    root = project(tmp_path / "project")
-    runs = tmp_path / "runs"
+def launch_with_a_notice(venv: Path, root: Path, runs: Path, *overrides: str
+                         ) -> tuple[int, str, RunDir, float]:
+    """`spotring launch cluster=local nodes=2 -- python train.py ...` from ``root``, with a
+    spot notice for node 1 once training runs, and node 1 taken (EC2 does so) once the
+    job stopped for it. Returns the exit code, the output, the run and when the notice
+    came (also for benchmarks/results/recovery-local/measure.py)."""
     proc = spotring(venv, root, "launch", "cluster=local", "nodes=2",
                     "cluster.max_preemptions=1", "cluster.notice_poll_s=1", f"runs_dir={runs}",
-                    "--", "python", "train.py", *STEPS, "--sleep", "0.25")
+                    *overrides, "--", "python", "train.py", *STEPS, "--sleep", "0.25")
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     deadline = time.monotonic() + 400
@@ -130,12 +130,24 @@ def test_a_users_script_survives_a_spot_notice_from_a_pip_install(venv, tmp_path
     wait_for(lambda: names.ns(1) in netns.namespaces(names.ns_prefix))
     metadata = metadata_service_of(names.ns(1))
     wait_for(lambda: "loss" in _node0_metrics(run))  # training
+    noticed = time.time()
     metadata.announce_interruption()
     wait_for(lambda: "the job exited with code 75" in "".join(lines))
     metadata.close()
-    netns.delete_namespace(names.ns(1))  # EC2 takes the noticed instance
-    assert proc.wait(timeout=400) == 0, "".join(lines)[-6000:]
-    out = "".join(lines)
+    netns.delete_namespace(names.ns(1))
+    code = proc.wait(timeout=400)
+    time.sleep(0.1)  # the reader thread's last lines
+    return code, "".join(lines), run, noticed
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+def test_a_users_script_survives_a_spot_notice_from_a_pip_install(venv, tmp_path):
+    reference = user_script.reference(tmp_path / "ref", *STEPS)
+    code, out, run, _ = launch_with_a_notice(venv, project(tmp_path / "project"),
+                                             tmp_path / "runs")
+    assert code == 0, out[-6000:]
+    names = netns.Names(run.id)
 
     # The project went over and the job's results came back; the same weights as one
     # worker uninterrupted, in float64.

@@ -47,7 +47,11 @@ def problems(*overrides: str) -> str:
                                                 "GB-month, 0 or more"),
     (["cluster=local", "cluster.price=-1"], "cluster.price=-1.0: $/hour per node, 0 or more"),
     (["job.launcher=srun"], "job.launcher=srun: unknown (did you mean mpirun?); valid: "
-                            "horovodrun, mpirun, torchrun"),
+                            "horovodrun, mpirun, torchrun, none"),
+    (["job.command=[python,t.py]", "job.args=['train.epochs=1']"], "job.args=['train.epochs=1'] "
+     "with job.command=['python', 't.py']: the trainer's overrides or a command, not both"),
+    (["job.command=[python,t.py]", "job.results=../out"], "job.results=../out: a directory "
+                                                          "relative to the project, inside it"),
     (["cluster=local", "cluster.subnet=10.0.0.0/28"], "cluster.subnet=10.0.0.0/28: must be an "
                                                       "IPv4 network of /24 or larger"),
     (["cluster=local", "cluster.slots=0"], "cluster.slots=0: must be 1 or more"),
@@ -110,9 +114,9 @@ def test_the_launcher_starts_without_importing_torch():
 # What `spotring X --help` must name: the overrides X reads (on top of --help itself).
 @pytest.mark.parametrize("command, names", [
     ("launch", ["nodes=N", "cluster=aws_spot|local", "instance_types", "max_restarts",
-                "slots", "-- ARGS"]),
+                "slots", "-- COMMAND | OVERRIDES"]),
     ("up", ["nodes=N", "cluster.KEY=VALUE", "instance_types", "ssh_cidr", "--dry-run"]),
-    ("run", ["run_id=ID", "job.launcher=", "-- ARGS"]),
+    ("run", ["run_id=ID", "job.launcher=", "-- COMMAND | OVERRIDES"]),
     ("status", ["run_id=ID", "runs_dir=DIR"]),
     ("down", ["run_id=ID", "--all-mine"]),
     ("cost", ["nodes=N", "cluster.instance_types=", "cluster.zones=", "run_id=ID"]),
@@ -136,8 +140,8 @@ def test_the_subcommands_are_listed_one_line_each(capsys):
     (["uo", "nodes=2"], "spotring: error: argument command: invalid choice: 'uo' (choose from "
                         "'launch', 'up', 'run', 'status', 'down', 'cost')"),
     ([], "spotring: error: the following arguments are required: command"),
-    (["status", "--", "train.epochs=1"], "spotring status: error: takes no trainer arguments "
-                                         "(after --: train.epochs=1)"),
+    (["status", "--", "train.epochs=1"], "spotring status: error: takes nothing after -- "
+                                         "(there: train.epochs=1)"),
     (["up", "--all-mine"], "spotring up: error: unrecognized arguments: --all-mine"),
 ])
 def test_a_bad_command_line_exits_2_naming_it(capsys, argv, message):

@@ -47,8 +47,9 @@ def test_the_mpich_hostfile(tmp_path):
     assert (tmp_path / "hosts.mpich").read_text() == "10.0.1.10:4\n10.0.1.11:4\n"
 
 
-ENV = 'PATH=/w/.venv/bin:"$PATH" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ' \
-      'PYTHONUNBUFFERED=1'
+LAUNCHER_ENV = 'PATH=/w/.venv/bin:"$PATH" OMPI_ALLOW_RUN_AS_ROOT=1 ' \
+               'OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1'
+ENV = f"{LAUNCHER_ENV} SPOTRING_RUN_DIR=/w/runs/R"  # rank 0's run directory (launch.contract)
 
 
 def test_the_job_command_of_each_launcher():
@@ -56,6 +57,12 @@ def test_the_job_command_of_each_launcher():
     assert job.commands == {0: f"cd /w && {ENV} exec horovodrun --gloo -np 8 --hostfile hosts "
                                "--start-timeout 120 python -m trainer engine=horovod "
                                "hydra.run.dir=runs/R train.epochs=3"}
+    # A command of the user's own, word for word, with the contract's variables.
+    job = job_command.build("horovodrun", NODES, "/w", "R", [], ["python", "t.py", "--lr", "0.1"],
+                            {"SPOTRING_RUN_ID": "R"})
+    assert job.commands[0].endswith("SPOTRING_RUN_DIR=/w/runs/R SPOTRING_RUN_ID=R exec "
+                                    "horovodrun --gloo -np 8 --hostfile hosts --start-timeout 120 "
+                                    "python t.py --lr 0.1")
     job = job_command.build("mpirun", NODES, "/w", "R", [])
     assert job.commands[0].startswith(
         f"cd /w && {ENV} exec mpirun -np 8 --hostfile hosts --prefix /w/.venv --bind-to none "
@@ -63,7 +70,14 @@ def test_the_job_command_of_each_launcher():
     job = job_command.build("torchrun", NODES, "/w", "R", ["engine=horovod"])
     assert job.commands == {i: f"cd /w && {ENV} exec torchrun --nnodes 2 --nproc-per-node 4 "
                                f"--node-rank {i} --master-addr 10.0.1.10 --master-port 29400 "
-                               "-m trainer hydra.run.dir=runs/R engine=horovod" for i in (0, 1)}
+                               "--no-python python -m trainer hydra.run.dir=runs/R engine=horovod"
+                            for i in (0, 1)}
+    # No launcher: the command once per node, told its node's place.
+    job = job_command.build("none", NODES, "/w", "R", [], ["./run.sh"], results="out")
+    assert job.commands == {i: f"cd /w && {LAUNCHER_ENV} SPOTRING_RUN_DIR=/w/out NODE_RANK={i} "
+                               "NNODES=2 NPROC_PER_NODE=4 "
+                               "MASTER_ADDR=10.0.1.10 MASTER_PORT=29400 exec ./run.sh"
+                            for i in (0, 1)}
 
 
 def test_the_trainers_exit_code_comes_through_horovodrun(tmp_path):

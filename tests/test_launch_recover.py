@@ -123,7 +123,8 @@ def supervised(tmp_path, monkeypatch, tries, listed, max_restarts=1, max_preempt
     monkeypatch.setattr("launch.recover.run_job", job)
     monkeypatch.setattr("launch.recover.admit", lambda cfg, run, nodes, new:
                         run.save_nodes(nodes))
-    cfg = OmegaConf.create({"job": {"args": ["train.batch_size=32"]}, "cluster": {
+    cfg = OmegaConf.create({"job": {"args": ["train.batch_size=32"], "command": [],
+                                     "checkpoint_uri": None}, "cluster": {
         "min_nodes": 2, "max_restarts": max_restarts, "max_preemptions": max_preemptions,
         "notice_wait_s": 3600, "notice_poll_s": 0.01}})
     provider = Fleet(listed)

@@ -1,6 +1,7 @@
 """spotring sweep on this machine: real Optuna studies of short MNIST trials, 2 at a
-time on the 2 cores, each trial a real trainer process; the study read back from its
-journal, the report from its markdown."""
+time on the 2 cores, each trial a real trainer process, and of a user's own script
+(tests/user_script.py) run from its project directory; the study read back from its
+journal, the report from its markdown, what each trial's processes got from /proc."""
 
 from __future__ import annotations
 
@@ -24,15 +25,20 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from launch.commands import local_environment
+from launch.contract import RESTART, RUN_DIR, RUN_ID
 from spotring.exits import EXIT_CONFIG
 from sweep.__main__ import main as sweep_main
 from sweep.report import pareto_front
+from sweep.runner import PARAMS
 from tests.conftest import REPO
+from tests.test_sweep_report import number, trials_table
+from tests.user_script import reference, write_project
 
 # A trial: a few dozen steps of the default MNIST run, evaluated on 500 test images.
 SHORT = ["train.eval_samples=500", "telemetry.progress=false"]
 PNG = b"\x89PNG\r\n\x1a\n"
 CORES = len(os.sched_getaffinity(0))
+LR = "sweep.params.lr=interval(0.01,0.1)"
 
 
 def sweep_command(sweep_dir: Path, *overrides: str, trainer: tuple[str, ...] = ()) -> list[str]:
@@ -71,6 +77,18 @@ def table_row(report: str, number: int) -> list[str]:
     line = next(line for line in report.splitlines()
                 if line.startswith(f"| [{number}](trials/{number:03d}) |"))
     return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def attempts(trial_dir: Path) -> int:
+    """How many times the sweep started the trial's processes, from its trial.log."""
+    return len(re.findall(r"^spotring sweep: \S+ \S+ attempt starts",
+                          (trial_dir / "trial.log").read_text(), re.MULTILINE))
+
+
+def environment(pid: int) -> dict[str, str]:
+    """A running process's environment."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().decode()
+    return dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
 
 
 def lifetime(trial_dir: Path) -> tuple[datetime, datetime]:
@@ -162,10 +180,16 @@ def test_killed_trials_resume_diverged_ones_fail_and_a_killed_sweep_continues(tm
             "params", {}).get("optim.lr") == "0.05"), None), what="a converging trial")
         victim_dir = sweep_dir / "trials" / f"{victim:03d}"
         wait_for(lambda: checkpoint_steps(victim_dir), what="its first checkpoint")
-        for pid in trial_pids(victim_dir):
+        pids = trial_pids(victim_dir)
+        env = environment(pids[0])  # the contract's variables, on its first attempt
+        assert (env[RUN_ID], env[RUN_DIR], env[RESTART]) == \
+            (f"faults/{victim:03d}", str(victim_dir), "0")
+        assert {k: str(v) for k, v in json.loads(env[PARAMS]).items()} == \
+            trials(sweep_dir)[victim].user_attrs["params"]
+        for pid in pids:
             os.kill(pid, signal.SIGKILL)
         # Once the sweep resumed it, and some trial has finished: kill the sweep.
-        wait_for(lambda: trials(sweep_dir)[victim].user_attrs.get("restarts") == 1
+        wait_for(lambda: trials(sweep_dir)[victim].user_attrs.get("retries") == 1
                  and any(t.state.is_finished() for t in trials(sweep_dir)),
                  what="the killed trial to resume")
         os.killpg(first.pid, signal.SIGKILL)
@@ -194,12 +218,93 @@ def test_killed_trials_resume_diverged_ones_fail_and_a_killed_sweep_continues(tm
             assert t.state == TrialState.COMPLETE
     # The killed trial counted one retry (a killed sweep is no fault of the trial), and
     # its last attempt went on from a checkpoint: it trained only the steps after it.
-    assert study.trials[victim].user_attrs["restarts"] == 1
+    assert study.trials[victim].user_attrs["retries"] == 1
     resumed = summary(sweep_dir, victim)
     from_step = int(re.search(r"ckpt-(\d+)", resumed["resumed_from"]).group(1))
     assert from_step > 0 and resumed["steps_this_run"] == resumed["steps"] - from_step
     report = (sweep_dir / "sweep_report.md").read_text()
     assert "diverged at step" in report
+    # The report's restarts: every attempt after a trial's first, whatever stopped the one
+    # before (the trial killed, or the sweep), as its trial.log counts them.
+    restarts = {number(row["trial"]): int(row["restarts"]) for row in trials_table(report)}
+    assert restarts == {n: attempts(sweep_dir / "trials" / f"{n:03d}") - 1 for n in range(4)}
+    assert restarts[victim] >= 1 and any(restarts[n] >= 1 for n in unfinished), restarts
+
+
+def script_environments() -> list[dict[str, str]]:
+    """The environments of the user's train.py processes that the sweep started."""
+    found = subprocess.run(["pgrep", "-f", "train.py --steps"], capture_output=True,
+                           text=True).stdout.split()
+    envs = []
+    for pid in found:
+        try:
+            env = environment(int(pid))
+        except OSError:
+            continue  # it just ended
+        if RUN_ID in env:  # not the sweep, whose command line names train.py too
+            envs.append(env | {"cmdline": Path(f"/proc/{pid}/cmdline").read_text()})
+    return envs
+
+
+@pytest.mark.slow
+def test_a_sweep_of_a_users_script_fills_its_placeholders_and_reports_its_summaries(
+        tmp_path):
+    """4 trials of tests/user_script.py's train.py, 2 at a time, from a project directory
+    that holds only it: each trial the command with its values in the placeholders and
+    the contract's variables, its summary.json in its own directory, the report's
+    numbers and the best trial's command line read from there."""
+    project = write_project(tmp_path / "project")
+    words = ["python", "train.py", "--steps", "20", "--sleep", "0.05", "--lr", "{lr}",
+             "--batch", "{batch}"]
+    sweep = subprocess.Popen(
+        [sys.executable, "-m", "spotring", "sweep", "sweep=custom", "sweep.name=script",
+         "sweep.trials=4", "sweep.parallel=2", "sweep.params.lr=interval(0.01,0.1)",
+         "sweep.params.batch=choice(8,16)", "sweep.objectives=[test_loss]", "--", *words],
+        cwd=project, env=local_environment(), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        env = wait_for(lambda: next(iter(script_environments()), None), what="a trial")
+        output = sweep.communicate(timeout=300)[0]
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+    assert sweep.returncode == 0, output
+    sweep_dir = project / "runs" / "sweeps" / "script"
+    assert sorted(p.name for p in project.iterdir()) == ["runs", "train.py"]
+
+    study = load(sweep_dir, "script")
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 4
+    params = {t.number: t.user_attrs["params"] for t in study.trials}
+    # What one trial's process got: its values in the command and in SPOTRING_PARAMS,
+    # its own run directory, its first attempt.
+    seen = int(env[RUN_ID].removeprefix("script/"))
+    assert env[RUN_ID] == f"script/{seen:03d}" and env[RESTART] == "0"
+    assert env[RUN_DIR] == str(sweep_dir / "trials" / f"{seen:03d}")
+    assert json.loads(env[PARAMS]) == {"lr": float(params[seen]["lr"]),
+                                       "batch": int(params[seen]["batch"])}
+    assert env["cmdline"].split("\0")[:-1] == [
+        w.format(**params[seen]) for w in words]
+
+    report = (sweep_dir / "sweep_report.md").read_text()
+    rows = {number(row["trial"]): row for row in trials_table(report)}
+    for t in study.trials:
+        s = summary(sweep_dir, t.number)  # the script's, where the trial's env put it
+        assert s["run_dir"] == str(sweep_dir / "trials" / f"{t.number:03d}")
+        assert s["global_batch"] == int(params[t.number]["batch"])
+        assert t.values == [s["test_loss"]]
+        row = rows[t.number]
+        assert (row["lr"], row["batch"], row["test loss"], row["restarts"]) == \
+            (params[t.number]["lr"], params[t.number]["batch"], f"{s['test_loss']:.4f}", "0")
+    best = study.best_trial.number
+    again = [w.format(**params[best]) for w in words]
+    assert f"```sh\n{' '.join(again)}\n```" in report.split("## Best trial")[1]
+    # The best trial trained with exactly the values shown: the same weights as the
+    # script run alone with them.
+    alone = reference(tmp_path / "alone", *again[2:])
+    assert summary(sweep_dir, best)["weights"] == pytest.approx(alone["weights"], abs=1e-10)
+    intervals = [lifetime(sweep_dir / "trials" / f"{n:03d}") for n in range(4)]
+    assert any(a[0] < b[1] and b[0] < a[1] for a, b in itertools.combinations(intervals, 2)), \
+        intervals
 
 
 @pytest.mark.slow
@@ -237,9 +342,19 @@ def test_with_a_checkpoint_uri_the_study_survives_the_loss_of_its_machine(tmp_pa
     (["sweep=custom", "sweep.sampler=grid"], ["optim.lr=interval(0.01,0.1)"], "grid"),
     (["sweep=custom"], ["model.depth=choice(2,5)", "model=cifar_convnet", "dataset=cifar10"],
      "model.depth=5"),
+    # A command of the user's own, run from a project holding train.py.
+    (["sweep=custom", LR], ["python", "missing.py", "--lr", "{lr}"], "missing.py: no such file"),
+    (["sweep=custom", LR, "sweep.params.batch=choice(8,16)"], ["python", "train.py", "--lr",
+                                                               "{lr}"],
+     "sweep.params batch: not in the command"),
+    (["sweep=custom", LR], ["python", "train.py", "--lr", "{lr}", "--batch", "{batch}"],
+     "the command's {batch}: no such param; valid: {lr}"),
+    (["sweep=custom", LR, "sweep.objectives=[val_loss]"], ["python", "train.py", "--lr", "{lr}"],
+     "val_loss:min or val_loss:max"),
 ])
 def test_bad_input_exits_2_naming_the_value_before_anything_exists(
-        tmp_path, capsys, overrides, trainer, named):
+        tmp_path, capsys, monkeypatch, overrides, trainer, named):
+    monkeypatch.chdir(write_project(tmp_path / "project"))
     sweep_dir = tmp_path / "sweep"
     code = sweep_main([f"sweep.dir={sweep_dir}", *overrides, "--", *trainer])
     err = capsys.readouterr().err

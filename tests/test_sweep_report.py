@@ -208,3 +208,25 @@ def test_nothing_complete_and_no_matplotlib(tmp_path, monkeypatch):
                       "spotring sweep").read_text()
     assert "No plots: they need matplotlib" in md
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep_report.md"]
+
+
+def test_a_scripts_trials_show_what_they_reported_and_the_best_command(tmp_path):
+    """A sweep of a user's command: the summary columns are those its summary.json has,
+    an objective of its own gets a column, and the best trial's command line is how to
+    train it again (there is no trainer config)."""
+    objectives = {"val_loss": "minimize"}
+    rows = [row(n, "complete", {"test_loss": loss, "train_seconds": 1.25, "val_loss": val},
+                [val], restarts=n, lr=lr)
+            for n, (lr, loss, val) in enumerate([("0.05", 0.5, 0.25), ("0.1", 0.4, 0.125)])]
+    rows.append(row(2, "failed", note="summary.json has no number for val_loss", lr="0.2"))
+    md = report.write(tmp_path, "script", objectives, rows, [1], None, "spotring sweep",
+                      ["python", "train.py", "--lr", "0.1", "--note", "a b"]).read_text()
+    table = trials_table(md)
+    assert list(table[0]) == ["trial", "state", "lr", "test loss", "training time (s)",
+                              "val loss", "restarts", "note"]
+    assert [(number(r["trial"]), r["val loss"], r["test loss"], r["restarts"]) for r in table] \
+        == [(1, "0.125", "0.4000", "1"), (0, "0.25", "0.5000", "0"), (2, "", "", "0")]
+    best = md.split("## Best trial")[1].split("## Trials")[0]
+    assert "Trial 1 ([trials/001](trials/001)): `lr=0.1`; val loss 0.125." in best
+    assert "```sh\npython train.py --lr 0.1 --note 'a b'\n```" in best
+    assert "spotring train" not in md

@@ -1,15 +1,18 @@
-"""The cluster side of spotring: start nodes, write hostfiles, run the trainer across
-them, tear them down. `spotring launch|up|run|status|down|cost` (__main__.py, whose
-docstring is the runbook) composes the steps, each a module of its own:
+"""The cluster side of spotring: start nodes, write hostfiles, run a command or the
+trainer across them, tear them down. `spotring launch|up|run|status|down|cost`
+(__main__.py, whose docstring is the runbook) composes the steps, each a module of its
+own:
 
     up.py          nodes, known_hosts, hostfiles        config.py     schemas, offline checks
-    run.py         code over, the job, results back    rundir.py     runs/launch/<run id>/
+    run.py         project over, the job, results back rundir.py     runs/launch/<run id>/
     down.py        delete everything of a run          provider.py   Node and the Provider
     cost.py        prices, node-hours, $/epoch                       interface: aws/, local/
     plan.py        --dry-run                           clusters.py   the provider a config
                                                                      names
                                                        ssh.py, sync.py, hostfile.py,
-                                                       job_command.py: what the steps use
+                                                       job_command.py, contract.py,
+                                                       project.py, wheel.py, node_env.py:
+                                                       what the steps use
 
 commands.py builds the local launcher commands that the Makefile, tests, benchmarks and
 sweeps use (and the environment every launcher gets). The top-level package sweep/ (many
@@ -21,7 +24,7 @@ trials at once, `spotring sweep`) is a client of this one; nothing here imports 
 STEPS = {
     "launch": "up + run + down: start the nodes, train across them, take them down",
     "up": "start the nodes, scan their host keys, write the hostfiles",
-    "run": "copy the code to a run's nodes, run the trainer across them, bring results back",
+    "run": "copy the project to a run's nodes, run the job across them, bring results back",
     "status": "a run's nodes and their state",
     "down": "delete everything of a run (--all-mine: of every run of yours)",
     "cost": "$/hour of N nodes now; a run's node-hours, cost and $/epoch",

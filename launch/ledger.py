@@ -22,8 +22,9 @@ history; the price can move while it runs, the ledger keeps the launch price); a
 on-demand node's is cluster.on_demand_prices of its type (list prices in
 conf/cluster/aws_spot.yaml; the EC2 API has none); a local node's is cluster.price
 (default 0: this machine bills nothing). Billing is EC2's for Linux: per whole second
-(a second begun is billed) with a 60-second minimum per instance, and likewise for each node's gp3 volume
-(cluster.volume_gb at cluster.volume_usd_per_gb_month, a month being 730 hours).
+(a second begun is billed) with a 60-second minimum per instance, and likewise for each
+node's gp3 volume (cluster.volume_gb at cluster.volume_usd_per_gb_month, a month being
+730 hours).
 """
 
 from __future__ import annotations

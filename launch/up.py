@@ -41,7 +41,8 @@ def up(cfg: DictConfig, run: RunDir, provider: Provider) -> list[Node]:
     log.info("up: %d nodes, %d slots; wrote %s, %s and %s", len(nodes), slots, run.hosts,
              run.hosts_mpich.name, run.known_hosts.name)
     job = job_for(cfg, run, provider, nodes)
-    log.info("up: `spotring run` copies the code and starts, on node 0:\n  %s",
+    log.info("up: `spotring run` copies the project, sets the nodes up and starts, on node "
+             "0:\n  %s",
              shlex.join(ssh_for(cfg, run).argv(nodes[0], job.commands[0])))
     return nodes
 

@@ -308,7 +308,8 @@ def test_the_dry_run_asks_for_cpus_and_memory_and_states_the_most_node_time(
     for uid, allowed in ((0, "1"), (1000, "unset")):
         shell = subprocess.run(["bash", "-c", f"id() {{ echo {uid}; }}; {root_only}; "
                                 "echo ${OMPI_ALLOW_RUN_AS_ROOT-unset}"],
-                               capture_output=True, text=True, check=True)
+                               capture_output=True, text=True, check=True,
+                               env={"PATH": os.environ["PATH"]})  # not make's root consent
         assert shell.stdout == f"{allowed}\n", (uid, shell)
     # The trainer on a node range: CPUs per node for every task; the time limit requeued.
     assert sbatch.main(["nodes=2", "min_nodes=1", "cpus_per_task=2", "requeue_at_time_limit=true",

@@ -5,9 +5,10 @@ that come later.
                         that runs the launcher (launch/wheel.py: the user's version, pip-
                         installed or not) and node/ (setup.sh, Horovod's build)
     key                 a hash of all that goes into a .venv: the wheel, the scripts, the
-                        project's requirements (files and contents), cluster.setup, the
-                        image's Python, the extras; .venv/.spotring-env holds the key of
-                        the .venv a node has
+                        project's requirements (the arguments, and requirements.txt's
+                        text; a local package it names counts by its path, so a changed
+                        one needs a new version), cluster.setup, the image's Python, the
+                        extras; .venv/.spotring-env holds the key of the .venv a node has
     prepare             nodes whose .venv has the key: nothing to do (a restart on the
                         same nodes); nodes without, while another has it: a copy of that
                         .venv, node to node over the private network (no build, no

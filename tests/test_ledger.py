@@ -5,11 +5,12 @@ lost. (A real launch's ledger, with a preemption, is in tests/test_launch_local.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from omegaconf import OmegaConf
 
-from launch import ledger
+from launch import ledger, tries
 from launch.cost import after_run
 from launch.provider import Node
 from launch.rundir import RunDir
@@ -123,3 +124,27 @@ def test_a_node_still_up_is_billed_until_now(run):
     assert not bill["complete"]
     assert [(n["terminated_at"], n["billed_s"]) for n in bill["nodes"]] == [
         (T0 + 30, 60.0), (None, 120.0), (None, 60.0)]
+
+
+def test_a_command_that_keeps_no_checkpoint_has_all_its_steps_redone(tmp_path):
+    """Read back as `launch` records a command's tries: its train records in
+    metrics.jsonl, and no "resumed ... at step N" line in job.log (nothing to resume)."""
+    run = RunDir(tmp_path / "run")
+    run.job.mkdir(parents=True)
+    OmegaConf.save({"cluster": {"name": "local"}}, run.config)
+    run.save_nodes([node(0, "local", T0, 0.0)])
+
+    def a_try(started: float, steps: range, code: int, restart: str | None) -> None:
+        with open(run.job / "metrics.jsonl", "a") as f:
+            f.writelines(json.dumps({"kind": "train", "step": s, "time": started + s}) + "\n"
+                         for s in steps)
+        run.job_log.write_text("step after step, and no checkpoint\n")
+        tries.record(run, tries.outcome(run, started, ["i-0"], code), restart, [])
+
+    start = time.time() - 1000  # before job.log is written: its lines count as the try's
+    a_try(start, range(1, 31), 75, "preemption")
+    a_try(start + 100, range(1, 41), 0, None)
+    (restart,) = ledger.build(run)["restarts"]
+    assert (restart["step"], restart["resumed_from"], restart["steps_redone"]) == (30, 0, 30)
+    assert restart["back_at_step"] == 30  # at start+130, 100 s after the first try's step 30
+    assert restart["lost_s"] == pytest.approx(100.0)

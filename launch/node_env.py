@@ -26,7 +26,7 @@ import hashlib
 import logging
 import shlex
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
@@ -70,8 +70,8 @@ class Environment:
         return cls(variables["SPOTRING_ENV_KEY"], shipped, setup)
 
 
-def prepare(ssh: Ssh, nodes: Sequence[Node], workdir: str, env: Environment, copy: bool,
-            logs: Path) -> dict[str, str]:
+def prepare(ssh: Ssh, nodes: Sequence[Node], workdir: str, env: Environment,
+            copy_env: bool, logs: Path) -> dict[str, str]:
     """Every node's .venv made ``env``; returns how, per node id. Each node's output goes
     to ``logs``/setup-<node id>.log."""
     wd = shlex.quote(workdir)
@@ -94,23 +94,20 @@ def prepare(ssh: Ssh, nodes: Sequence[Node], workdir: str, env: Environment, cop
                                f"{logs / f'setup-{node.id}.log'})")
         return f"built in {time.monotonic() - started:.1f} s"
 
-    def copy_from(source: Node) -> Callable[[Node], str]:
-        def to(node: Node) -> str:
-            started = time.monotonic()
-            remote = ssh.between(node, f"rm -rf {wd}/.venv && tar -xf - -C {wd}")
-            proc = ssh.run(source, f"tar -cf - -C {wd} .venv | {remote} && "
-                                   f"du -sm {wd}/.venv | cut -f1", check=False)
-            _keep(logs, node, proc.stdout + proc.stderr)
-            if proc.returncode != 0:  # the source may be going: build instead
-                log.info("run: node %s: no copy of the environment from %s (%s); building it",
-                         node.id, source.id, proc.stderr.decode(errors="replace").strip())
-                return build(node)
-            size = proc.stdout.decode().split()[-1]
-            return (f"copied from {source.id} in {time.monotonic() - started:.1f} s "
-                    f"({size} MB)")
-        return to
+    def copy(node: Node) -> str:
+        source, started = ready[0], time.monotonic()
+        remote = ssh.between(node, f"rm -rf {wd}/.venv && tar -xf - -C {wd}")
+        proc = ssh.run(source, f"tar -cf - -C {wd} .venv | {remote} && "
+                               f"du -sm {wd}/.venv | cut -f1", check=False)
+        _keep(logs, node, proc.stdout + proc.stderr)
+        if proc.returncode != 0:  # the source may be going: build instead
+            log.info("run: node %s: no copy of the environment from %s (%s); building it",
+                     node.id, source.id, proc.stderr.decode(errors="replace").strip())
+            return build(node)
+        size = proc.stdout.decode().split()[-1]
+        return f"copied from {source.id} in {time.monotonic() - started:.1f} s ({size} MB)"
 
-    work = copy_from(ready[0]) if ready and copy else build
+    work = copy if ready and copy_env else build
     how |= dict(zip((n.id for n in missing), on_each(missing, work), strict=True))
     return how
 

@@ -87,9 +87,10 @@ def run(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
     ssh = ssh_for(cfg, run)
     job = job_for(cfg, run, provider, nodes)
     prepare(cfg, run, provider, nodes, ssh)
-    results = shlex.quote(f"{provider.workdir}/{results_of(cfg, run)}")
+    results = results_of(cfg, run)
+    remote = shlex.quote(f"{provider.workdir}/{results}")
     # Rank 0's notes from a try before this one.
-    ssh.run(nodes[0], "rm -f " + " ".join(f"{results}/{note}" for note in job_command.NOTES))
+    ssh.run(nodes[0], "rm -f " + " ".join(f"{remote}/{note}" for note in job_command.NOTES))
     for note in job_command.NOTES:
         (run.job / note).unlink(missing_ok=True)
     log.info("run: on node 0 (%s): %s", nodes[0].address, job.commands[0])
@@ -97,11 +98,11 @@ def run(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
         status = _start(ssh, nodes, run, job.commands)
     except BaseException:
         try:  # what there is, without hiding why the job stopped
-            _bring_back(ssh, nodes[0], provider.workdir, run, results_of(cfg, run))
+            _bring_back(ssh, nodes[0], provider.workdir, run, results)
         except (RemoteError, OSError, tarfile.TarError) as e:
             log.info("run: could not bring the results back: %s", e)
         raise
-    _bring_back(ssh, nodes[0], provider.workdir, run, results_of(cfg, run))
+    _bring_back(ssh, nodes[0], provider.workdir, run, results)
     note = next((n for n in job_command.NOTES if (run.job / n).exists()), None)
     code = job.exit_code(*status, note=note)
     if classify(code) not in (Outcome.DONE, Outcome.PREEMPTED):  # why, where it is read

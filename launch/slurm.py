@@ -77,7 +77,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
 from launch import contract, project
-from launch.commands import LAUNCHER_ENV
+from launch.commands import AS_ROOT, LAUNCHER_ENV
 from launch.console import split_trainer_args
 from spotring.exits import CODES, EXIT_CONFIG, EXIT_FAILED, EXIT_PREEMPTED, ConfigError
 from spotring.global_batch import split_global_batch
@@ -96,8 +96,6 @@ SIGNAL_EARLY_S = 60
 # The contract's values the script expands at run time: the job id, the same across
 # requeues, and SLURM's count of them.
 JOB_ID, RESTART_COUNT = "$SLURM_JOB_ID", "${SLURM_RESTART_COUNT:-0}"
-# Open MPI's consent to run as root (launch.commands): only for a job that runs as root.
-AS_ROOT = {k: v for k, v in LAUNCHER_ENV.items() if k.startswith("OMPI_ALLOW_RUN_AS_ROOT")}
 TIMES = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS"
 MEMORY = re.compile(r"(\d+)([KMGT]?)")
 
@@ -177,6 +175,7 @@ def script(cfg: DictConfig, trainer_args: list[str], command: list[str], python:
         "",
         f"cd {shlex.quote(str(workdir))}",
         *(f"export {k}={v}" for k, v in LAUNCHER_ENV.items() if k not in AS_ROOT),
+        # Open MPI's consent to root only for a job that runs as root.
         f"if (( $(id -u) == 0 )); then export "
         f"{' '.join(f'{k}={v}' for k, v in AS_ROOT.items())}; fi",
         "export " + " ".join(f"{k}={_shell(v)}" for k, v in env.items()),

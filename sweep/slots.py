@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import IO
 
 from launch import hostfile, job_command, project, sync
-from launch.commands import BIN, local_command, local_environment
+from launch.commands import local_command, local_environment
 from launch.contract import RUN_DIR
 from launch.provider import Node
 from launch.rundir import RunDir
@@ -98,9 +98,9 @@ class Work:
     command: list[str]  # the user's command, its placeholders filled; [] for the trainer
     env: dict[str, str]  # what every process of it gets
 
-    def program(self, trial_dir: Path) -> list[str]:
-        """The command, or the trainer's arguments after `python -m trainer` here."""
-        return self.command or [f"hydra.run.dir={trial_dir}", *self.args]
+    def trainer_args(self, trial_dir: Path) -> list[str]:
+        """The trainer's arguments after `python -m trainer`, writing to ``trial_dir``."""
+        return [f"hydra.run.dir={trial_dir}", *self.args]
 
 
 class Slot:
@@ -133,14 +133,8 @@ class LocalSlot(Slot):
         self.hourly_price = None if machine_price is None else machine_price * share
 
     def start(self, trial_dir: Path, work: Work, log: IO[bytes]) -> Attempt:
-        if not work.command:
-            launcher = "single" if self.workers == 1 else "torchrun"
-            argv = local_command(launcher, self.workers, work.program(trial_dir))
-        elif self.workers == 1:
-            argv = work.command
-        else:
-            argv = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node",
-                    str(self.workers), "--no-python", *work.command]
+        argv = local_command("single" if self.workers == 1 else "torchrun", self.workers,
+                             work.trainer_args(trial_dir), command=work.command)
         cores = self.cores
 
         def in_child() -> None:
@@ -357,7 +351,7 @@ class SlurmSlot(Slot):
         job_name = f"spotring-{self.sweep_name}-{trial_dir.name}"
         argv = ["srun", f"--nodes={self.nodes}", f"--ntasks-per-node={self.workers}",
                 f"--job-name={job_name}", "--kill-on-bad-exit=0", *self.options,
-                *(work.command or local_command("single", 1, work.program(trial_dir)))]
+                *local_command("single", 1, work.trainer_args(trial_dir), command=work.command)]
         # srun passes this environment on to every task (--export=ALL, its default).
         proc = subprocess.Popen(argv, env=local_environment(**work.env), stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

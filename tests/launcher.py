@@ -1,15 +1,26 @@
-"""Running the launcher as users do (python -m launch, make launch) and finding what a
-local cluster leaves on this machine: namespaces, links, processes."""
+"""Running the launcher as users do (python -m launch, make launch), following a launch
+as it goes (a spot notice for one of its nodes), and finding what a local cluster leaves
+on this machine: namespaces, links, processes."""
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
+import re
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from launch.local import netns
+from launch.rundir import RunDir
 from tests.conftest import REPO
+from tests.imds import MetadataStub
+
+CLONE_NEWNET = 0x40000000  # setns(2): join a network namespace
 
 
 def launcher(*args: str, env: dict | None = None, timeout: float = 120
@@ -49,3 +60,85 @@ def processes(run_id: str) -> list[str]:
         if run_id in line:
             found.append(f"{proc.name}: {line}")
     return found
+
+
+def run_dir_of(output: str) -> RunDir | None:
+    first = [line for line in output.splitlines() if line.startswith("spotring: run ")]
+    if not first:
+        return None
+    return RunDir(Path(re.fullmatch(r"spotring: run \S+ in (\S+)", first[0]).group(1)))
+
+
+def steps_on_node_0(run: RunDir) -> int:
+    """The last step of node 0's metrics.jsonl (where rank 0 writes by default)."""
+    metrics = run.path / f"nodes/node-0/work/runs/{run.id}/metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
+
+
+class Followed:
+    """A launcher process whose output (stdout and stderr together) is read as it comes."""
+
+    def __init__(self, proc: subprocess.Popen, timeout_s: float = 400) -> None:
+        self.proc, self.lines = proc, []
+        self.deadline = time.monotonic() + timeout_s
+        self.reader = threading.Thread(target=lambda: self.lines.extend(proc.stdout),
+                                       daemon=True)
+        self.reader.start()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, done: Callable[[], bool]) -> None:
+        """Until ``done()``; fails, with the output, if the launcher ends or time is up."""
+        while not done():
+            assert self.proc.poll() is None and time.monotonic() < self.deadline, self.text
+            time.sleep(0.1)
+
+    def end(self) -> tuple[int, str]:
+        """The launcher's exit code and all its output."""
+        code = self.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+        self.reader.join(timeout=10)
+        return code, self.text
+
+
+def notice_node_1(followed: Followed, trained: int) -> tuple[RunDir, netns.Names, float]:
+    """EC2's spot notice for node 1 of the launch ``followed`` once node 0 logged step
+    ``trained``, and the job's stop for it (exit 75). Returns the run, its names and
+    when the notice came."""
+    followed.wait_for(lambda: run_dir_of(followed.text) is not None)
+    run = run_dir_of(followed.text)
+    names = netns.Names(run.id)
+    followed.wait_for(lambda: names.ns(1) in netns.namespaces(names.ns_prefix))
+    metadata = metadata_service_of(names.ns(1))  # up before the job starts to look
+    followed.wait_for(lambda: steps_on_node_0(run) >= trained)
+    noticed = time.time()
+    metadata.announce_interruption()
+    followed.wait_for(lambda: "the job exited with code 75" in followed.text)
+    metadata.close()
+    return run, names, noticed
+
+
+def metadata_service_of(ns: str) -> MetadataStub:
+    """EC2's instance metadata service for node ``ns``, where the trainer looks for it by
+    default: 169.254.169.254:80 of the node's own network. Its socket is made by a thread
+    that joined the node's namespace (setns applies to the calling thread only)."""
+    subprocess.run(["ip", "-n", ns, "addr", "add", "169.254.169.254/32", "dev", "lo"],
+                   check=True)
+    made = []
+
+    def serve() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+        try:
+            if libc.setns(fd, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), f"setns into {ns}")
+        finally:
+            os.close(fd)
+        made.append(MetadataStub(address=("169.254.169.254", 80)))
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    thread.join()
+    return made[0]

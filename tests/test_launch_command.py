@@ -15,8 +15,6 @@ import json
 import os
 import re
 import subprocess
-import threading
-import time
 import zipfile
 from pathlib import Path
 
@@ -27,8 +25,7 @@ from launch.rundir import RunDir
 from spotring.exits import EXIT_CONFIG
 from tests import user_script
 from tests.installed import spotring_venv
-from tests.launcher import leftovers, netns_unavailable, processes
-from tests.test_launch_local import metadata_service_of, run_dir_of
+from tests.launcher import Followed, leftovers, netns_unavailable, notice_node_1, processes
 
 WHY_NOT = netns_unavailable()
 STEPS = ["--steps", "48", "--batch", "8", "--save-every", "8"]
@@ -115,29 +112,11 @@ def launch_with_a_notice(venv: Path, root: Path, runs: Path, *overrides: str
     proc = spotring(venv, root, "launch", "cluster=local", "nodes=2",
                     "cluster.max_preemptions=1", "cluster.notice_poll_s=1", f"runs_dir={runs}",
                     *overrides, "--", "python", "train.py", *STEPS, "--sleep", "0.25")
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    deadline = time.monotonic() + 400
-
-    def wait_for(done) -> None:
-        while not done():
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.1)
-
-    wait_for(lambda: any(line.startswith("spotring: run ") for line in lines))
-    run = run_dir_of("".join(lines))
-    names = netns.Names(run.id)
-    wait_for(lambda: names.ns(1) in netns.namespaces(names.ns_prefix))
-    metadata = metadata_service_of(names.ns(1))
-    wait_for(lambda: "loss" in _node0_metrics(run))  # training
-    noticed = time.time()
-    metadata.announce_interruption()
-    wait_for(lambda: "the job exited with code 75" in "".join(lines))
-    metadata.close()
-    netns.delete_namespace(names.ns(1))
-    code = proc.wait(timeout=400)
-    time.sleep(0.1)  # the reader thread's last lines
-    return code, "".join(lines), run, noticed
+    followed = Followed(proc)
+    run, names, noticed = notice_node_1(followed, trained=1)
+    netns.delete_namespace(names.ns(1))  # EC2 takes the noticed instance
+    code, out = followed.end()
+    return code, out, run, noticed
 
 
 @pytest.mark.slow
@@ -177,11 +156,6 @@ def test_a_users_script_survives_a_spot_notice_from_a_pip_install(venv, tmp_path
         "preemption", 75, [names.ns(1)])
     assert restart["resumed_from"] == resumed[0] and restart["steps_redone"] == 0
     assert leftovers(run.id) == [] and processes(run.id) == []
-
-
-def _node0_metrics(run: RunDir) -> str:
-    path = run.path / f"nodes/node-0/work/runs/{run.id}/metrics.jsonl"
-    return path.read_text() if path.exists() else ""
 
 
 @pytest.mark.slow

@@ -5,17 +5,14 @@ then nothing left on this machine."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
-import os
 import re
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -27,11 +24,18 @@ from launch.local.provider import LocalCluster
 from launch.rundir import RunDir
 from launch.ssh import RemoteError, Ssh, new_key, scan_host_keys
 from tests.conftest import REPO
-from tests.imds import MetadataStub
-from tests.launcher import launcher, leftovers, netns_unavailable, processes
+from tests.launcher import (
+    Followed,
+    launcher,
+    leftovers,
+    netns_unavailable,
+    notice_node_1,
+    processes,
+    run_dir_of,
+    steps_on_node_0,
+)
 
 WHY_NOT = netns_unavailable()
-CLONE_NEWNET = 0x40000000  # setns(2): join a network namespace
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 
 
@@ -83,13 +87,6 @@ def test_the_docs_show_the_command_the_test_runs(page):
     assert README_COMMAND in (REPO / page).read_text()
 
 
-def run_dir_of(output: str) -> RunDir | None:
-    first = [line for line in output.splitlines() if line.startswith("spotring: run ")]
-    if not first:
-        return None
-    return RunDir(Path(re.fullmatch(r"spotring: run \S+ in (\S+)", first[0]).group(1)))
-
-
 @pytest.fixture(scope="module")
 def uninterrupted():
     proc = subprocess.run(README_COMMAND, shell=True, cwd=REPO, capture_output=True, text=True,
@@ -137,36 +134,6 @@ def test_the_documented_make_launch_trains_mnist_across_two_local_nodes(uninterr
     assert f"nothing of run {run.id} was left to delete" in again.stdout
 
 
-def steps_on_node_0(run: RunDir) -> int:
-    metrics = run.path / f"nodes/node-0/work/runs/{run.id}/metrics.jsonl"
-    lines = metrics.read_text().splitlines() if metrics.exists() else []
-    return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
-
-
-def metadata_service_of(ns: str) -> MetadataStub:
-    """EC2's instance metadata service for node ``ns``, where the trainer looks for it by
-    default: 169.254.169.254:80 of the node's own network. Its socket is made by a thread
-    that joined the node's namespace (setns applies to the calling thread only)."""
-    subprocess.run(["ip", "-n", ns, "addr", "add", "169.254.169.254/32", "dev", "lo"],
-                   check=True)
-    made = []
-
-    def serve() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
-        try:
-            if libc.setns(fd, CLONE_NEWNET) != 0:
-                raise OSError(ctypes.get_errno(), f"setns into {ns}")
-        finally:
-            os.close(fd)
-        made.append(MetadataStub(address=("169.254.169.254", 80)))
-
-    thread = threading.Thread(target=serve)
-    thread.start()
-    thread.join()
-    return made[0]
-
-
 @pytest.mark.slow
 def test_a_preempted_node_and_a_vanished_one_are_replaced_and_billed(tmp_path, uninterrupted):
     """One launch, two restarts of different causes, each within its own budget: a spot
@@ -181,37 +148,20 @@ def test_a_preempted_node_and_a_vanished_one_are_replaced_and_billed(tmp_path, u
          f"runs_dir={tmp_path}", "--", *README_ARGS, "checkpoint.every_steps=20",
          "preemption.poll_seconds=1"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    deadline = time.monotonic() + 400
-
-    def wait_for(done) -> None:
-        while not done():
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.1)
-
-    wait_for(lambda: any(line.startswith("spotring: run ") for line in lines))
-    run = run_dir_of("".join(lines))
-    names = netns.Names(run.id)
-    wait_for(lambda: names.ns(1) in netns.namespaces(names.ns_prefix))
-    metadata = metadata_service_of(names.ns(1))  # up before the trainer starts to look
-    wait_for(lambda: steps_on_node_0(run) >= 30)
-    metadata.announce_interruption()
-    wait_for(lambda: "the job exited with code 75" in "".join(lines))
-    metadata.close()
+    followed = Followed(proc)
+    run, names, _ = notice_node_1(followed, trained=30)
     taken = time.time()  # EC2 takes the noticed instance
     netns.delete_namespace(names.ns(1), stops=((signal.SIGKILL, 5.0),))
 
-    wait_for(lambda: steps_on_node_0(run) >= 70)
+    followed.wait_for(lambda: steps_on_node_0(run) >= 70)
     # The replacement vanishes as a node does without notice: every process gone at once.
     vanished = time.time()
     netns.delete_namespace(names.ns(2), stops=((signal.SIGKILL, 5.0),))
-    wait_for(lambda: "".join(lines).count("run: the job exited with code") == 2)
+    followed.wait_for(lambda: followed.text.count("run: the job exited with code") == 2)
     reached = steps_on_node_0(run)  # rank 0 took no step without its peer
 
-    assert proc.wait(timeout=400) == 0, "".join(lines)[-6000:]
-    time.sleep(0.2)
-    out = "".join(lines)
+    code, out = followed.end()
+    assert code == 0, out[-6000:]
     # Node 1's rank saw the notice; every rank stopped at the same step.
     assert re.search(r"\[1\]<stderr>:.* spot terminate notice for \S+", out)
     noticed = int(re.search(r"\[0\]<stdout>:.* preempted \(.*\) at step (\d+)", out).group(1))

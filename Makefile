@@ -126,7 +126,7 @@ KIT_PYTHON := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 .PHONY: gpu-bundle gpu-check
 
 gpu-bundle:
-	$(KIT_PYTHON) -m benchmarks.gpu_bundle $(GPU_BUNDLE)
+	$(KIT_PYTHON) -m spotring.benchmarks.gpu_bundle $(GPU_BUNDLE)
 
 gpu-check:
 	PYTHON=$(KIT_PYTHON) tools/gpu-check $(GPU_OUT) \

@@ -3,8 +3,9 @@
     spotring bench --quick && spotring report    # a few minutes; <results>/<run>/report.md
     spotring predict --preset horovod-resnet101 --deadline-hours 12
 
-(`make bench [QUICK=1]`, `make report [RUN=...]`, `python -m benchmarks.suite|report|predict`
-run the same.) The method and the model: docs/benchmarks.md. The modules:
+(`make bench [QUICK=1]`, `make report [RUN=...]`, `python -m
+spotring.benchmarks.suite|report|predict` run the same.) The method and the model:
+docs/benchmarks.md. The modules:
 
     suite.py        spotring bench: the sections below into one results.json
     throughput.py   img/s for worker counts x engines x batch sizes; speedup, efficiency
@@ -15,7 +16,7 @@ run the same.) The method and the model: docs/benchmarks.md. The modules:
     predict.py      spotring predict: the alpha-beta model, 1 to 256 nodes, time and cost
     report.py       spotring report: results.json -> report.md, with plots.py's PNGs
 
-and, run on their own (python -m benchmarks.X): notice_budget.py (a spot notice to the
+and, run on their own (python -m spotring.benchmarks.X): notice_budget.py (a spot notice to the
 checkpoint on S3), api_cost.py (what spotring's API costs a script, the DataLoader over
 files), gpu_check.py (tools/gpu-check: every GPU path in one command, with gpu_bundle.py
 the wheels an offline GPU machine lacks and deterministic_trainer.py)
@@ -25,3 +26,16 @@ rank of the allreduce benchmark), plain_loop.py (the plain PyTorch DDP baseline)
 trainer_sweep.py (a Hydra sweep of the trainer in one process), stats.py, record.py
 (results folders), machine.py (what a run ran on).
 """
+
+from spotring.cli import Command
+
+# What this package adds to the `spotring` command (spotring/cli.py).
+COMMANDS = {
+    "bench": Command("spotring.benchmarks.suite:main",
+                     "measure throughput, scaling and allreduce bandwidth into a results "
+                     "folder"),
+    "report": Command("spotring.benchmarks.report:main", "a results folder's report.md and plots"),
+    "predict": Command("spotring.benchmarks.predict:main",
+                       "predict img/s, time and cost for 1 to 256 nodes; the cheapest for a "
+                       "deadline"),
+}

@@ -22,8 +22,8 @@ from __future__ import annotations
 import importlib.util
 import statistics
 
-from benchmarks.runs import json_line, run_together, shown
-from launch.commands import local_command
+from spotring.benchmarks.runs import json_line, run_together, shown
+from spotring.launch.commands import local_command
 
 TRANSPORTS = {  # name: (launcher, what allreduce_ranks runs, environment)
     "gloo": ("torchrun", "gloo", {}),
@@ -70,7 +70,7 @@ def measure(transports: list[str], ranks: int, message_sizes: list[int], budget:
             launcher, rank_side, env = TRANSPORTS[transport]
             command = local_command(launcher, ranks, [
                 rank_side, "--sizes", *map(str, message_sizes), "--budget", str(budget)],
-                module="benchmarks.allreduce_ranks")
+                module = "spotring.benchmarks.allreduce_ranks")
             commands[transport] = shown(command, env)
             (stdout,) = run_together([command], env)
             ranks_said = json_line(stdout, "transport")

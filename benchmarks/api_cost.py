@@ -2,10 +2,10 @@
 DDP script, its DataLoader over image files, and the built-in trainer before and after it
 was rebuilt on the API.
 
-    python -m benchmarks.api_cost                   # api and dataloader, about 3 minutes
-    python -m benchmarks.api_cost --only api,dataloader,trainer-before-after \\
+    python -m spotring.benchmarks.api_cost                   # api and dataloader, about 3 minutes
+    python -m spotring.benchmarks.api_cost --only api,dataloader,trainer-before-after \\
         --before /tmp/spotring-before               # all three, about 6 minutes
-    torchrun --standalone --nproc-per-node 2 -m benchmarks.api_cost --variant spotring
+    torchrun --standalone --nproc-per-node 2 -m spotring.benchmarks.api_cost --variant spotring
 
 Sections (--only, comma-separated), into benchmarks/results/api-cost/ (--name):
 results.json, report.md, and runs/ (not results: ignored by git):
@@ -25,7 +25,7 @@ results.json, report.md, and runs/ (not results: ignored by git):
                read as examples/train.py reads them (Pillow, grey, float32); one process,
                num_workers 0, 1 and 2 (persistent), global batch 128; img/s of the batches
                after the warm-up, nothing trained.
-    trainer-before-after  the default run, `torchrun --nproc-per-node 2 -m trainer` (one
+    trainer-before-after  the default run, `torchrun --nproc-per-node 2 -m spotring.trainer` (one
                epoch), in --before (a checkout of the commit before the rebuild, run there
                with PYTHONPATH on it) and in this checkout: img/s from summary.json and the
                training seconds to 99% test accuracy, benchmarks/time_to_accuracy.py's way
@@ -62,20 +62,20 @@ from torchvision.datasets import ImageFolder
 from torchvision.transforms import v2
 
 import spotring
-from benchmarks import machine, record
-from benchmarks.plain_loop import mnist, network
-from benchmarks.report import commands, header, spread, table
-from benchmarks.runs import json_line, run_together, shown, trainer_records
-from benchmarks.stats import interleaved, mean_ci
-from benchmarks.suite import counts
-from benchmarks.time_to_accuracy import EVALUATIONS, TARGET, eval_interval, seconds_to
-from benchmarks.time_to_accuracy import trainer_steps as default_run
-from launch.commands import local_command
+from spotring.benchmarks import machine, record
+from spotring.benchmarks.plain_loop import mnist, network
+from spotring.benchmarks.report import commands, header, spread, table
+from spotring.benchmarks.runs import json_line, run_together, shown, trainer_records
+from spotring.benchmarks.stats import interleaved, mean_ci
+from spotring.benchmarks.suite import counts
+from spotring.benchmarks.time_to_accuracy import EVALUATIONS, TARGET, eval_interval, seconds_to
+from spotring.benchmarks.time_to_accuracy import trainer_steps as default_run
+from spotring.launch.commands import local_command
 from spotring.stores import write_atomic
-from trainer import datasets
-from trainer.config import compose
+from spotring.trainer import datasets
+from spotring.trainer.config import compose
 
-MODULE = "benchmarks.api_cost"
+MODULE = "spotring.benchmarks.api_cost"
 SECTIONS = ("api", "dataloader", "trainer-before-after")
 REPEATS = {"api": 5, "dataloader": 5, "trainer-before-after": 3}
 WORKERS = 2  # torchrun's, for api and the trainer
@@ -460,7 +460,8 @@ def trainer_section(t: dict) -> str:
                  _ratio(t["seconds_to_target_ratio"]), "", ""])
     return "\n\n".join([
         "## The built-in trainer before and after its rebuild on the API",
-        f"The default run (`torchrun --nproc-per-node {t['workers']} -m trainer`, one epoch, "
+        f"The default run (`torchrun --nproc-per-node {t['workers']} -m spotring.trainer`, "
+        "one epoch, "
         f"{t['steps']} steps) with an evaluation on the whole test set every "
         f"{t['eval_every']} steps: before = `{t['before_commit']}` (a worktree at "
         f"{t['before_dir']}, run there with PYTHONPATH on it), after = the working tree. img/s "

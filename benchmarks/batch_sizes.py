@@ -14,9 +14,9 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.runs import Timing, intervals_of, run_together, shown, synthetic
-from benchmarks.stats import mean_ci
-from launch.commands import local_command
+from spotring.benchmarks.runs import Timing, intervals_of, run_together, shown, synthetic
+from spotring.benchmarks.stats import mean_ci
+from spotring.launch.commands import local_command
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def _sweep(group: Group, batches: list[int], threads: int, sweep_dir: Path) -> s
             f"train.threads={threads}", f"train.max_steps={t.steps}",
             f"telemetry.log_every={t.log_every}", "telemetry.progress=false",
             f"hydra.sweep.dir={sweep_dir}"]
-    command = local_command("single", 1, args, module="benchmarks.trainer_sweep")
+    command = local_command("single", 1, args, module = "spotring.benchmarks.trainer_sweep")
     run_together([command], timeout=3600)
     return shown(command)
 

@@ -1,5 +1,6 @@
-"""python -m benchmarks.deterministic_trainer ARGS: `python -m trainer ARGS` with PyTorch's
-deterministic algorithms on, so that the same steps give the same bits on a GPU too.
+"""python -m spotring.benchmarks.deterministic_trainer ARGS: `python -m spotring.trainer
+ARGS` with PyTorch's deterministic algorithms on, so that the same steps give the same bits
+on a GPU too.
 
 GPU kernels that add with atomics (cuDNN's and cuBLAS's among them) sum in whatever order
 their threads finish; two runs of the same steps then differ in the last bits, and an
@@ -16,7 +17,7 @@ import os
 
 import torch
 
-from trainer.__main__ import main as trainer_main
+from spotring.trainer.__main__ import main as trainer_main
 
 
 def main() -> None:

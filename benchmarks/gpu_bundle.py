@@ -1,7 +1,7 @@
 """The wheels a GPU machine lacks, in one folder: made here, installed there.
 
     make gpu-bundle                          # here, with the package index: gpu-bundle/
-    python -m benchmarks.gpu_bundle DIR      # the same into DIR
+    python -m spotring.benchmarks.gpu_bundle DIR      # the same into DIR
 
 tools/gpu-bundle.txt names them, constraints.txt pins their versions. They are downloaded
 for CPython 3.12 on manylinux x86-64 (the offline GPU machine's Python, ../shared/DESIGN.md)
@@ -100,7 +100,7 @@ def tracked_bytes() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_bundle",
+    parser = argparse.ArgumentParser(prog="python -m spotring.benchmarks.gpu_bundle",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("dir", nargs="?", type=Path, default=REPO / "gpu-bundle",
                         help="the folder (default: gpu-bundle/ in the checkout)")

@@ -63,9 +63,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import gpu_bundle, machine
-from benchmarks.allreduce import KIB, bandwidth, size_label, sizes
-from benchmarks.runs import (
+from spotring.benchmarks import gpu_bundle, machine
+from spotring.benchmarks.allreduce import KIB, bandwidth, size_label, sizes
+from spotring.benchmarks.runs import (
     REPO,
     Setup,
     Timing,
@@ -76,9 +76,9 @@ from benchmarks.runs import (
     synthetic,
     trainer_records,
 )
-from benchmarks.stats import mean_ci
-from launch.commands import local_command, local_environment
+from spotring.benchmarks.stats import mean_ci
 from spotring.exits import EXIT_PREEMPTED
+from spotring.launch.commands import local_command, local_environment
 
 PARITY_RTOL = 1e-10  # float64: what tests/test_equivalence.py holds N ranks to
 PARITY_BATCH = 32  # per rank
@@ -187,7 +187,7 @@ class Unusable(Exception):
     """The kit cannot start here (exit 2); the message says what to do."""
 
 
-def torchrun(nproc: int, args: list[str], module: str = "trainer") -> list[str]:
+def torchrun(nproc: int, args: list[str], module: str = "spotring.trainer") -> list[str]:
     """launch.commands' torchrun command, through `python -m torch.distributed.run` where
     this Python's folder has no torchrun script (a system or conda Python's torch)."""
     command = local_command("torchrun", nproc, args, module)
@@ -227,7 +227,12 @@ def drop_heavy(run_dir: Path) -> None:
 def check_mnist(kit: Kit, result: Result, workers: int) -> None:
     """The default run under torchrun on ``workers`` ranks, each seed: seconds to the
     target (the first evaluation at or above it, on the training clock) and img/s."""
-    from benchmarks.time_to_accuracy import EVALUATIONS, eval_interval, seconds_to, trainer_steps
+    from spotring.benchmarks.time_to_accuracy import (
+        EVALUATIONS,
+        eval_interval,
+        seconds_to,
+        trainer_steps,
+    )
 
     with COMPOSING:
         planned = trainer_steps(workers, kit.mode.mnist_steps)["steps"]
@@ -292,7 +297,7 @@ def check_parity(kit: Kit, result: Result) -> None:
 
 def refused(overrides: tuple[str, ...]) -> list[str]:
     """What the trainer would refuse about ``overrides`` here (exit 2): its own words."""
-    from trainer.config import compose, gpu_path_problems
+    from spotring.trainer.config import compose, gpu_path_problems
 
     with COMPOSING:
         return gpu_path_problems(compose(list(overrides)))
@@ -338,8 +343,9 @@ def check_preemption(kit: Kit, result: Result) -> None:
 
     def command(run_dir: Path) -> list[str]:
         # A record every step, so that the signal is sent as soon as the step is logged.
-        return [sys.executable, "-m", "benchmarks.deterministic_trainer", *kit.trainer_args(
-            run_dir, "telemetry.log_every=1", "preemption.imds=false", *steps)]
+        return [sys.executable, "-m", "spotring.benchmarks.deterministic_trainer",
+                *kit.trainer_args(run_dir, "telemetry.log_every=1", "preemption.imds=false",
+                                  *steps)]
 
     whole, cut = kit.runs / "preemption-whole", kit.runs / "preemption-cut"
     result.commands += [shown(command(whole)), shown(command(cut))]
@@ -409,7 +415,7 @@ def check_allreduce(kit: Kit, result: Result) -> None:
     transport = "nccl" if kit.device == "cuda" else "gloo"
     command = torchrun(kit.devices, [transport, "--sizes", *map(str, kit.mode.allreduce_sizes),
                                      "--budget", str(kit.mode.allreduce_budget)],
-                       module="benchmarks.allreduce_ranks")
+                       module = "spotring.benchmarks.allreduce_ranks")
     result.commands.append(shown(command))
     (stdout,) = kit.run(command)
     said = json_line(stdout, "transport")
@@ -504,7 +510,7 @@ def use_bundle(bundle: Path | None, stack: contextlib.ExitStack) -> str:
     try:
         import torch.utils.tensorboard  # noqa: F401  (what rank 0 writes with)
 
-        import trainer.__main__  # noqa: F401
+        import spotring.trainer.__main__  # noqa: F401
     except ImportError as e:
         raise Unusable(f"{e}: the trainer's packages are missing here. Where the package index "
                        "is reachable, `make gpu-bundle` downloads them into gpu-bundle/; "

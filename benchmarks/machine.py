@@ -15,7 +15,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from launch.commands import BIN
+from spotring.launch.commands import BIN
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("torch", "torchvision", "horovod", "mpi4py", "openmpi", "hydra-core", "numpy")

@@ -1,7 +1,7 @@
 """The notice budget: from a spot notice to a checkpoint verified on S3, against EC2's 120 s.
 
-    python -m benchmarks.notice_budget                  # ResNet-50, 3 repeats, a few minutes
-    python -m benchmarks.notice_budget --arch resnet18 --repeats 1 --name try
+    python -m spotring.benchmarks.notice_budget        # ResNet-50, 3 repeats, a few minutes
+    python -m spotring.benchmarks.notice_budget --arch resnet18 --repeats 1 --name try
 
 Each repeat trains `model=torchvision model.arch=ARCH` (1000 classes: ResNet-50's
 weights are 102 MB in float32, and SGD's momentum doubles the checkpoint) as one worker
@@ -37,13 +37,13 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import record
-from benchmarks.report import header, spread, table
-from benchmarks.runs import REPO, shown, trainer_records
-from benchmarks.stats import mean_ci
-from benchmarks.suite import counts
-from launch.commands import local_command, local_environment
+from spotring.benchmarks import record
+from spotring.benchmarks.report import header, spread, table
+from spotring.benchmarks.runs import REPO, shown, trainer_records
+from spotring.benchmarks.stats import mean_ci
+from spotring.benchmarks.suite import counts
 from spotring.exits import EXIT_PREEMPTED, PREEMPTED
+from spotring.launch.commands import local_command, local_environment
 from spotring.preemption import NOTICE_SECONDS
 from spotring.stores import write_atomic
 
@@ -57,7 +57,7 @@ FIGURES = ("signal_to_notice", "notice_to_local", "notice_to_s3", "upload_mb_s",
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.notice_budget",
+    p = argparse.ArgumentParser(prog="python -m spotring.benchmarks.notice_budget",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--arch", default="resnet50", help="a torchvision classifier (resnet50)")
     p.add_argument("--repeats", type=counts, default=3, help="runs, each stopped once (3)")
@@ -208,11 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import moto.server  # noqa: F401
     except ImportError:
-        print("python -m benchmarks.notice_budget: needs moto's S3 server to upload to: "
+        print("python -m spotring.benchmarks.notice_budget: needs moto's S3 server to upload to: "
               "pip install 'moto[server]' (or '.[test]')", file=sys.stderr)
         return 2
-    command = record.command_line("benchmarks.notice_budget", "python -m benchmarks.notice_budget",
-                                  argv)
+    command = record.command_line("spotring.benchmarks.notice_budget",
+                                  "python -m spotring.benchmarks.notice_budget", argv)
     folder = record.write(args.name, "notice-budget", command,
                           lambda folder: measure(args, folder), derive)
     print(f"written: {render(folder, record.load(folder))}")

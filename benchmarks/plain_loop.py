@@ -7,8 +7,8 @@ decay and label smoothing, but no config system, LR schedule, checkpoints, telem
 spot-notice vote or world-size-invariant order. Under torchrun it is DDP on Gloo with the
 usual sharding (rank r takes every W-th sample of each global batch).
 
-    python -m benchmarks.plain_loop --threads 2 --batch-size 128
-    torchrun --standalone --nproc-per-node 2 -m benchmarks.plain_loop --batch-size 64
+    python -m spotring.benchmarks.plain_loop --threads 2 --batch-size 128
+    torchrun --standalone --nproc-per-node 2 -m spotring.benchmarks.plain_loop --batch-size 64
 
 Rank 0 prints one JSON line: img/s of every --log-every steps, timed like the trainer's
 (training steps only), and over all steps.
@@ -27,8 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from trainer import datasets
-from trainer.config import compose
+from spotring.trainer import datasets
+from spotring.trainer.config import compose
 
 
 def network() -> nn.Module:

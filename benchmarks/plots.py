@@ -19,8 +19,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on servers and in tests
 import matplotlib.pyplot as plt  # noqa: E402
 
-from benchmarks import predict  # noqa: E402
-from benchmarks.throughput import reference  # noqa: E402
+from spotring.benchmarks import predict  # noqa: E402
+from spotring.benchmarks.throughput import reference  # noqa: E402
 
 
 def save(fig, path: Path) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from benchmarks.runs import ENGINES
+from spotring.benchmarks.runs import ENGINES
 
 NODE_COUNTS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 MAX_NODES = NODE_COUNTS[-1]
@@ -260,7 +260,7 @@ def _scenario(p: argparse.ArgumentParser, args: argparse.Namespace) -> Scenario:
     if args.preset:
         return PRESETS[args.preset]
     if args.results:
-        from benchmarks import record
+        from spotring.benchmarks import record
 
         try:
             results = record.load(record.find(args.results))

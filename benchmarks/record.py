@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks import machine
-from benchmarks.runs import REPO, shown
+from spotring.benchmarks import machine
+from spotring.benchmarks.runs import REPO, shown
 from spotring.stores import write_atomic
 
 _PACKAGE_RESULTS = Path(__file__).resolve().parent / "results"

@@ -22,9 +22,9 @@ The training clock (time.perf_counter around each step: batch gather, forward, b
 optimizer and LR step) stops while evaluating, as the trainer's Stopwatch does, so the
 curve reads like the trainer's kind=test records.
 
-    python -m benchmarks.reference_loop                        # evaluated at the end only
-    python -m benchmarks.reference_loop --seed 3 --eval-every 32
-    python -m benchmarks.reference_loop --max-steps 5 --eval-every 2   # a smoke test
+    python -m spotring.benchmarks.reference_loop                        # evaluated at the end only
+    python -m spotring.benchmarks.reference_loop --seed 3 --eval-every 32
+    python -m spotring.benchmarks.reference_loop --max-steps 5 --eval-every 2   # a smoke test
 
 It prints one JSON line: train_seconds, test_accuracy (at the end), curve ([step,
 train_seconds, accuracy] of every evaluation), evaluation_seconds, seed, steps, eval_every,
@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.plain_loop import mnist, network
+from spotring.benchmarks.plain_loop import mnist, network
 
 BATCH = 128
 PEAK_LR = 0.1
@@ -122,7 +122,7 @@ def _at_least(minimum: int):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.reference_loop",
+    p = argparse.ArgumentParser(prog="python -m spotring.benchmarks.reference_loop",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--seed", type=_at_least(0), default=0,
                    help="of the order and the initial weights")

@@ -4,7 +4,7 @@
     spotring report reference       # benchmarks/results/reference/
     spotring report PATH/TO/RUN
 
-(`make report [RUN=...]` and `python -m benchmarks.report` run the same.) Every number in
+(`make report [RUN=...]` and `python -m spotring.benchmarks.report` run the same.) Every number in
 report.md is read from results.json and only formatted (the benchmark modules compute;
 tests/test_bench_report.py parses both and compares); a section is there only where
 results.json has it, so a run of some sections (`spotring bench --only ...`) renders too.
@@ -16,8 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from benchmarks import plots, record
-from benchmarks.allreduce import size_label
+from spotring.benchmarks import plots, record
+from spotring.benchmarks.allreduce import size_label
 from spotring.stores import write_atomic
 
 DASH = "-"

@@ -4,14 +4,15 @@ A run is a Setup (engine, workers, batch per worker, threads per worker) of a Wo
 (dataset and model):
 
     engine         N workers
-    ddp            torchrun --nproc-per-node N -m trainer engine=ddp
-    ddp-mpi        mpirun -np N python -m trainer engine=ddp engine.backend=mpi
-    horovod-gloo   horovodrun --gloo -np N -H localhost:N python -m trainer engine=horovod
-    horovod-mpi    mpirun -np N python -m trainer engine=horovod engine.backend=mpi
-    plain          torchrun --nproc-per-node N -m benchmarks.plain_loop
+    ddp            torchrun --nproc-per-node N -m spotring.trainer engine=ddp
+    ddp-mpi        mpirun -np N python -m spotring.trainer engine=ddp engine.backend=mpi
+    horovod-gloo   horovodrun --gloo -np N -H localhost:N python -m spotring.trainer engine=horovod
+    horovod-mpi    mpirun -np N python -m spotring.trainer engine=horovod engine.backend=mpi
+    plain          torchrun --nproc-per-node N -m spotring.benchmarks.plain_loop
 
-and one worker as `python -m trainer` or `python -m benchmarks.plain_loop`, whatever the
-engine: a single worker has nothing to average. Each run writes into its own folder
+and one worker as `python -m spotring.trainer` or `python -m
+spotring.benchmarks.plain_loop`, whatever the engine: a single worker has nothing to
+average. Each run writes into its own folder
 (the trainer's metrics.jsonl, summary.json, log; the plain loop's stdout.json); its
 checkpoints and TensorBoard files are deleted once read: they are not measurements.
 """
@@ -27,10 +28,10 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from launch.commands import BIN, local_command, local_environment
+from spotring.launch.commands import BIN, local_command, local_environment
 
-# Where `python -m benchmarks.X` and `python -m trainer` import from: the checkout, or
-# the installed package's site-packages.
+# Where `python -m spotring.benchmarks.X` and `python -m spotring.trainer` import from: the
+# checkout, or the installed package's site-packages.
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
 
@@ -148,7 +149,7 @@ def _command(setup: Setup, workload: Workload, timing: Timing, run_dir: Path) ->
         return local_command(launcher, setup.workers, [
             "--batch-size", str(setup.batch), "--threads", str(setup.threads),
             "--steps", str(timing.steps), "--log-every", str(timing.log_every)],
-            module="benchmarks.plain_loop")
+            module = "spotring.benchmarks.plain_loop")
     return local_command(launcher, setup.workers, [
         f"hydra.run.dir={run_dir}", "telemetry.progress=false",
         f"telemetry.log_every={timing.log_every}", f"train.max_steps={timing.steps}",
@@ -223,8 +224,8 @@ def measure(setup: Setup, workload: Workload, timing: Timing, run_dir: Path) -> 
 def check_workload(workload: Workload) -> dict[str, int]:
     """The workload's model as the trainer builds it: its gradient's bytes, what every step
     allreduces. A bad override raises spotring.exits.ConfigError before anything runs."""
-    from trainer.config import compose
-    from trainer.models import build_model
+    from spotring.trainer.config import compose
+    from spotring.trainer.models import build_model
 
     cfg = compose(list(workload.overrides))
     model = build_model(cfg.model, workload.shape, cfg.dataset.get("num_classes", 10))

@@ -7,7 +7,7 @@
     spotring bench --only time_to_accuracy --quick --target 0.99
     spotring report                   # the newest run's report.md and plots
 
-(`make bench [QUICK=1]` and `python -m benchmarks.suite` run the same.) In order, into
+(`make bench [QUICK=1]` and `python -m spotring.benchmarks.suite` run the same.) In order, into
 <results>/<time>-bench[-quick]/results.json (benchmarks/record.py):
 
     throughput    benchmarks/throughput.py: img/s per worker and in total for each worker
@@ -32,8 +32,15 @@ import os
 import sys
 from dataclasses import replace
 
-from benchmarks import allreduce, batch_sizes, predict, record, throughput, time_to_accuracy
-from benchmarks.runs import (
+from spotring.benchmarks import (
+    allreduce,
+    batch_sizes,
+    predict,
+    record,
+    throughput,
+    time_to_accuracy,
+)
+from spotring.benchmarks.runs import (
     ENGINES,
     MNIST,
     Timing,
@@ -180,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     gradient = _check(p, args)
     folder = record.write(args.name, "bench-quick" if args.quick else "bench",
-                          record.command_line("benchmarks.suite", p.prog, argv),
+                          record.command_line("spotring.benchmarks.suite", p.prog, argv),
                           lambda folder: measure(args, gradient, folder), derive)
     make = f" (or `make report RUN={folder.name}`)" if folder.parent == record.RESULTS else ""
     print(f"\nwritten: {folder / 'results.json'}\n`spotring report {folder}`{make} makes "

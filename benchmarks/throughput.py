@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.runs import ENGINES, Run, Setup, Timing, Workload, measure
-from benchmarks.stats import mean_ci, scaling
+from spotring.benchmarks.runs import ENGINES, Run, Setup, Timing, Workload, measure
+from spotring.benchmarks.stats import mean_ci, scaling
 
 
 def reference(engine: str) -> str:

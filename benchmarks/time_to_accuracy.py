@@ -4,7 +4,7 @@ count, beside the fixed reference loop (benchmarks/reference_loop.py).
 Method:
 
 - every worker count runs the trainer's default config (conf/config.yaml as it is), the
-  way users start it: `python -m trainer` for 1 worker, `torchrun --nproc-per-node N -m
+  way users start it: `python -m spotring.trainer` for 1 worker, `torchrun --nproc-per-node N -m
   trainer` for N; the global batch is the per-worker train.batch_size x N and the LR
   follows from it (the linear scaling rule), as the trainer does by itself;
 - each run evaluates on the full test set every K steps (train.eval_every_steps=K, and at
@@ -31,10 +31,10 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import reference_loop
-from benchmarks.runs import MNIST, REPO, json_line, run_together, shown, trainer_records
-from benchmarks.stats import interleaved
-from launch.commands import local_command
+from spotring.benchmarks import reference_loop
+from spotring.benchmarks.runs import MNIST, REPO, json_line, run_together, shown, trainer_records
+from spotring.benchmarks.stats import interleaved
+from spotring.launch.commands import local_command
 
 EVALUATIONS = 15  # per run, about: the curve's points
 TARGET = 0.99
@@ -64,11 +64,11 @@ def eval_interval(steps: int, evaluations: int) -> int:
 
 def trainer_steps(workers: int, max_steps: int | None) -> dict:
     """The default config's global batch and steps at ``workers`` workers, from the config
-    composed as `python -m trainer` would and the trainer's own schedule (raises
+    composed as `python -m spotring.trainer` would and the trainer's own schedule (raises
     spotring.exits.ConfigError)."""
     from spotring.sampler import steps_in_epoch
-    from trainer.config import compose, global_batch
-    from trainer.schedule import lr_schedule
+    from spotring.trainer.config import compose, global_batch
+    from spotring.trainer.schedule import lr_schedule
 
     cfg = compose([])
     if cfg.dataset.name != "mnist":
@@ -100,7 +100,7 @@ def _run(config: Configuration, seed: int, eval_every: int, max_steps: int | Non
         command = local_command("single", 1, [
             "--seed", str(seed), "--eval-every", str(eval_every),
             *([] if max_steps is None else ["--max-steps", str(max_steps)])],
-            module="benchmarks.reference_loop")
+            module = "spotring.benchmarks.reference_loop")
         (out,) = run_together([command])
         (run_dir / "stdout.json").write_text(out)
         result = json_line(out, "curve")

@@ -1,11 +1,11 @@
-"""python -m benchmarks.trainer_sweep -m ARGS: a Hydra sweep of the trainer in one process.
+"""python -m spotring.benchmarks.trainer_sweep -m ARGS: a Hydra sweep of the trainer in one process.
 
-    python -m benchmarks.trainer_sweep -m model=convnet,lenet train.batch_size=32,64 \
+    python -m spotring.benchmarks.trainer_sweep -m model=convnet,lenet train.batch_size=32,64 \
         dataset=synthetic hydra.sweep.dir=DIR
 
 Every point of the sweep runs the trainer's own job (trainer/job.py: checks, engine, fit,
 summary.json), one after another, so Python, torch and the data are loaded once. It exists
-because `python -m trainer -m ...` ends after the first point: its Hydra task exits the
+because `python -m spotring.trainer -m ...` ends after the first point: its Hydra task exits the
 process with the job's exit code. Single-process runs only (the points share a process).
 """
 
@@ -15,7 +15,7 @@ import hydra
 from omegaconf import DictConfig
 
 from spotring import exits
-from trainer import config, job
+from spotring.trainer import config, job
 
 
 @hydra.main(version_base="1.3", config_path=f"pkg://{config.CONF_MODULE}",

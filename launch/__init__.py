@@ -19,13 +19,24 @@ sweeps use (and the environment every launcher gets). The top-level package swee
 trials at once, `spotring sweep`) is a client of this one; nothing here imports it.
 """
 
+from spotring.cli import Command
+
 # The subcommands and their one line each, for `spotring --help` and `spotring launch
 # --help` alike; here, where reading them imports nothing.
 STEPS = {
-    "launch": "up + run + down: start the nodes, train across them, take them down",
+    "launch": "up + run + down: start the nodes, run the job across them, take them down",
     "up": "start the nodes, scan their host keys, write the hostfiles",
     "run": "copy the project to a run's nodes, run the job across them, bring results back",
     "status": "a run's nodes and their state",
     "down": "delete everything of a run (--all-mine: of every run of yours)",
     "cost": "$/hour of N nodes now; a run's node-hours, cost and $/epoch",
+}
+
+# What this package adds to the `spotring` command (spotring/cli.py).
+COMMANDS = {
+    **{step: Command("spotring.launch.__main__:main", summary, prefix=(step,))
+       for step, summary in STEPS.items()},
+    "sbatch": Command("spotring.launch.slurm:main",
+                      "a command or the trainer as a SLURM batch job: requeued after "
+                      "preemption"),
 }

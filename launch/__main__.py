@@ -1,5 +1,5 @@
 """spotring launch|up|run|status|down|cost: start spot GPU nodes, run your command or
-the built-in trainer across them, tear them down (also `python -m launch ...`).
+the built-in trainer across them, tear them down (also `python -m spotring.launch ...`).
 
     spotring launch nodes=8 -- python train.py --epochs 30
                                                  up + run + down of your own command, from
@@ -52,19 +52,19 @@ from pathlib import Path
 from botocore.exceptions import BotoCoreError, ClientError
 from botocore.parsers import ResponseParserError
 
-from launch import STEPS, config, ledger, project
-from launch.clusters import provider_for
-from launch.console import interrupt_on_termination, log_to, split_trainer_args
-from launch.contract import split_command
-from launch.cost import after_run, hourly
-from launch.down import down, down_after, leftovers
-from launch.plan import plan
-from launch.provider import NoCapacity
-from launch.recover import supervise
-from launch.run import run as run_job
-from launch.rundir import RunDir
-from launch.up import up
 from spotring.exits import EXIT_CONFIG, EXIT_FAILED, ConfigError
+from spotring.launch import STEPS, config, ledger, project
+from spotring.launch.clusters import provider_for
+from spotring.launch.console import interrupt_on_termination, log_to, split_trainer_args
+from spotring.launch.contract import split_command
+from spotring.launch.cost import after_run, hourly
+from spotring.launch.down import down, down_after, leftovers
+from spotring.launch.plan import plan
+from spotring.launch.provider import NoCapacity
+from spotring.launch.recover import supervise
+from spotring.launch.run import run as run_job
+from spotring.launch.rundir import RunDir
+from spotring.launch.up import up
 
 PRICED_ANEW = ("nodes", "cluster.instance_types", "cluster.zones", "cluster.region")
 log = logging.getLogger("launch")
@@ -262,4 +262,4 @@ def _run_dir(command: str, cfg, all_mine: bool) -> RunDir:
 
 
 if __name__ == "__main__":
-    sys.exit(main(prog="python -m launch"))
+    sys.exit(main(prog="python -m spotring.launch"))

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from launch.provider import Provider
-from launch.rundir import RunDir
+from spotring.launch.provider import Provider
+from spotring.launch.rundir import RunDir
 
 
 def provider_for(cfg: DictConfig, run: RunDir) -> Provider:
     """The provider conf/cluster/NAME.yaml names; each is imported only when chosen."""
     if cfg.cluster.name == "local":
-        from launch.local.provider import LocalCluster
+        from spotring.launch.local.provider import LocalCluster
 
         return LocalCluster(cfg.cluster, run)
-    from launch.aws.provider import AwsSpot
+    from spotring.launch.aws.provider import AwsSpot
 
     return AwsSpot(cfg.cluster, run, cfg.project)

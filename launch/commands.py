@@ -1,10 +1,10 @@
 """The command lines that start N ranks on this machine, one per launcher, in one place:
-of the trainer (python -m trainer ARGS), or of a command of the user's own (CMD).
+of the trainer (python -m spotring.trainer ARGS), or of a command of the user's own (CMD).
 
-    torchrun     torchrun --standalone --nproc-per-node N -m trainer ARGS   (--no-python CMD)
-    mpirun       mpirun -np N --oversubscribe python -m trainer ARGS       (CMD)
-    horovodrun   horovodrun -np N -H localhost:N python -m trainer ARGS    (CMD)
-    single       python -m trainer ARGS                                    (CMD)
+    torchrun    torchrun --standalone --nproc-per-node N -m spotring.trainer ARGS (--no-python CMD)
+    mpirun      mpirun -np N --oversubscribe python -m spotring.trainer ARGS     (CMD)
+    horovodrun  horovodrun -np N -H localhost:N python -m spotring.trainer ARGS  (CMD)
+    single       python -m spotring.trainer ARGS                                    (CMD)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ LAUNCHERS = ("single", "torchrun", "mpirun", "horovodrun")
 BIN = Path(sys.executable).parent
 
 
-def local_command(launcher: str, nproc: int, args: list[str], module: str = "trainer",
+def local_command(launcher: str, nproc: int, args: list[str], module: str = "spotring.trainer",
                   command: Sequence[str] = ()) -> list[str]:
     """Start ``nproc`` ranks of ``python -m module ARGS``, or of ``command`` where one is
     given, on this machine."""

@@ -6,7 +6,7 @@ dataclasses here fix the keys and their types, so `cluster.instance_type=g5.xlar
 checks what types cannot, offline: the region and instance types against botocore's
 own lists, the SSH CIDR, the counts. The checks that need AWS (credentials, the
 subnet's zone, the AMI) are the provider's ``check``; both run before any resource
-exists. The launcher's config is its own root: `python -m trainer` never sees it.
+exists. The launcher's config is its own root: `python -m spotring.trainer` never sees it.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, DictConfig, OmegaConf
 
 from spotring.exits import ConfigError
-from trainer import config as trainer_config
-from trainer.config import compose_checked, one_of
+from spotring.trainer import config as trainer_config
+from spotring.trainer.config import compose_checked, one_of
 
 CLUSTERS = ("aws_spot", "local")
 LAUNCHERS = ("horovodrun", "mpirun", "torchrun", "none")

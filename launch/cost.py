@@ -16,9 +16,9 @@ import json
 import time
 from pathlib import Path
 
-from launch import ledger as ledgers
-from launch.provider import Provider
-from launch.rundir import RunDir
+from spotring.launch import ledger as ledgers
+from spotring.launch.provider import Provider
+from spotring.launch.rundir import RunDir
 
 
 def usd(dollars: float) -> str:

@@ -15,8 +15,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from launch.provider import Leftovers, Provider
-from launch.rundir import RunDir
+from spotring.launch.provider import Leftovers, Provider
+from spotring.launch.rundir import RunDir
 
 log = logging.getLogger("launch")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from launch.provider import Node
+from spotring.launch.provider import Node
 
 
 def open_mpi(nodes: Sequence[Node]) -> str:

@@ -1,5 +1,5 @@
 """The command that starts a job across the nodes, one per launcher (job.launcher): the
-built-in trainer (`python -m trainer OVERRIDES`) or a command of the user's own (CMD).
+built-in trainer (`python -m spotring.trainer OVERRIDES`) or a command of the user's own (CMD).
 
 Each runs in the workdir (the same path on every node) with the node's .venv first on
 PATH and the contract's variables (launch/contract.py) set; G is a node's slots (its
@@ -12,7 +12,7 @@ GPUs), N*G all of them:
     none        node i   CMD, once per node, with NODE_RANK=i NNODES=N NPROC_PER_NODE=G
                          MASTER_ADDR=NODE0 MASTER_PORT (for a launcher of the command's own)
 
-For the trainer, CMD is `python -m trainer hydra.run.dir=RUN_DIR ARGS`, whose engine
+For the trainer, CMD is `python -m spotring.trainer hydra.run.dir=RUN_DIR ARGS`, whose engine
 follows the launcher (horovod under horovodrun and mpirun, ddp under torchrun) unless
 ARGS name one. Rank 0 writes to RUN_DIR (runs/<run id> in node 0's workdir, or
 job.results), which `run` brings back.
@@ -25,10 +25,10 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from launch.commands import LAUNCHER_ENV
-from launch.contract import RUN_DIR
-from launch.provider import Node
 from spotring.exits import DIVERGED, EXIT_DIVERGED, EXIT_PREEMPTED, PREEMPTED
+from spotring.launch.commands import LAUNCHER_ENV
+from spotring.launch.contract import RUN_DIR
+from spotring.launch.provider import Node
 
 ENGINES = {"horovodrun": "horovod", "mpirun": "horovod", "torchrun": "ddp", "none": "ddp"}
 TORCHRUN_PORT = 29400  # also MASTER_PORT under job.launcher=none
@@ -73,9 +73,11 @@ def build(launcher: str, nodes: Sequence[Node], workdir: str, run_id: str,
     if command:
         program = [str(a) for a in command]
     else:
-        program = ["python", "-m", "trainer", f"hydra.run.dir={results}", *args]
+        # The node's console script, not `python -m`: a project holding a spotring/
+        # folder (spotring's own checkout) would shadow the installed package from cwd.
+        program = ["spotring", "train", f"hydra.run.dir={results}", *args]
         if not any(a.startswith("engine=") for a in args):
-            program.insert(3, f"engine={ENGINES[launcher]}")
+            program.insert(2, f"engine={ENGINES[launcher]}")
     total = sum(n.slots for n in nodes)
     if launcher == "horovodrun":
         # --gloo: Horovod's Gloo controller needs nothing on the nodes but ssh, and its

@@ -36,8 +36,8 @@ from dataclasses import asdict
 
 from omegaconf import OmegaConf
 
-from launch.provider import Node
-from launch.rundir import RunDir, write_json
+from spotring.launch.provider import Node
+from spotring.launch.rundir import RunDir, write_json
 
 MINIMUM_S = 60  # EC2's minimum charge per instance (and per volume), per-second after
 HOURS_PER_MONTH = 730.0  # AWS's month for prorating GB-month prices

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 
-from launch.provider import Node
-from launch.ssh import Ssh, on_each
+from spotring.launch.provider import Node
+from spotring.launch.ssh import Ssh, on_each
 
 STAMP = ".venv/.spotring-env"
 NODE_FILES = "node"  # launch/node/: setup.sh, build-horovod, cxx20, the Horovod patch
@@ -51,7 +51,7 @@ class Environment:
         """The environment of spotring's ``wheel``, the ``requirements`` (pip arguments,
         relative to the ``project`` directory) and Horovod where ``horovod``, on top of
         ``image_python``."""
-        node = files("launch").joinpath(NODE_FILES)
+        node = files("spotring.launch").joinpath(NODE_FILES)
         shipped = {f".spotring/{wheel.name}": wheel} | {
             f".spotring/node/{f.name}": Path(str(f)) for f in node.iterdir() if f.is_file()}
         digest = hashlib.sha256()

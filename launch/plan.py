@@ -7,10 +7,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from launch import project
-from launch.provider import Node, Provider
-from launch.run import job_for, results_of
-from launch.rundir import RunDir
+from spotring.launch import project
+from spotring.launch.provider import Node, Provider
+from spotring.launch.run import job_for, results_of
+from spotring.launch.rundir import RunDir
 
 
 def plan(command: str, cfg: DictConfig, run: RunDir, provider: Provider) -> list[str]:

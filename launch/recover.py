@@ -40,16 +40,16 @@ import time
 
 from omegaconf import DictConfig
 
-from launch import tries
-from launch.provider import NoCapacity, Node, Provider
-from launch.run import run as run_job
-from launch.rundir import RunDir
-from launch.ssh import RemoteError
-from launch.up import admit
 from spotring.exits import EXIT_OK, MAX_PREEMPTIONS, MAX_RESTARTS, ConfigError, classify
 from spotring.global_batch import split_global_batch
+from spotring.launch import tries
+from spotring.launch.provider import NoCapacity, Node, Provider
+from spotring.launch.run import run as run_job
+from spotring.launch.rundir import RunDir
+from spotring.launch.ssh import RemoteError
+from spotring.launch.up import admit
 from spotring.polling import poll
-from trainer import config as trainer_config
+from spotring.trainer import config as trainer_config
 
 log = logging.getLogger("launch")
 

@@ -28,11 +28,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from launch import contract, job_command, node_env, project, sync, wheel
-from launch.provider import Node, Provider
-from launch.rundir import RunDir
-from launch.ssh import RemoteError, Ssh
 from spotring.exits import ConfigError, Outcome, classify
+from spotring.launch import contract, job_command, node_env, project, sync, wheel
+from spotring.launch.provider import Node, Provider
+from spotring.launch.rundir import RunDir
+from spotring.launch.ssh import RemoteError, Ssh
 
 log = logging.getLogger("launch")
 

@@ -29,8 +29,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from launch.provider import Node
 from spotring.exits import ConfigError
+from spotring.launch.provider import Node
 from spotring.stores import write_atomic
 
 

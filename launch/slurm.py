@@ -22,7 +22,7 @@ submits it. The script asks SLURM for:
     --nodes=MIN-MAX         with min_nodes; per node --mincpus=TASKS x CPUS rather than
                             --ntasks-per-node, which would start it on MIN nodes
 
-and runs `srun python -m trainer resume=auto ...`, or `srun CMD` word for word in the
+and runs `srun python -m spotring.trainer resume=auto ...`, or `srun CMD` word for word in the
 submit directory: one task per GPU (or tasks_per_node on CPUs), the process group formed
 from SLURM's variables (spotring/runtime.py), with the contract's variables
 (launch/contract.py): SPOTRING_RUN_ID the job id (the same across requeues),
@@ -76,13 +76,13 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from launch import contract, project
-from launch.commands import AS_ROOT, LAUNCHER_ENV
-from launch.console import split_trainer_args
 from spotring.exits import CODES, EXIT_CONFIG, EXIT_FAILED, EXIT_PREEMPTED, ConfigError
 from spotring.global_batch import split_global_batch
-from trainer import config as trainer_config
-from trainer.config import compose_checked, one_of
+from spotring.launch import contract, project
+from spotring.launch.commands import AS_ROOT, LAUNCHER_ENV
+from spotring.launch.console import split_trainer_args
+from spotring.trainer import config as trainer_config
+from spotring.trainer.config import compose_checked, one_of
 
 # The warnings the trainer takes as a spot notice; --signal sends one to every task.
 SIGNALS = ("TERM", "USR1")
@@ -207,7 +207,7 @@ def _program(cfg: DictConfig, trainer_args: list[str], command: list[str], pytho
     args = shlex.join([f"hydra.run.dir={run_dir}", "resume=auto", *trainer_args])
     # train.global_batch: on fewer nodes than asked for (after a requeue) the trainer
     # takes the same global batch in more micro-steps per optimizer step.
-    return (f"{shlex.quote(python)} -m trainer {args} "
+    return (f"{shlex.quote(python)} -m spotring.trainer {args} "
             f"train.global_batch={global_batch(cfg, trainer_args)}")
 
 

@@ -17,7 +17,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TypeVar
 
-from launch.provider import Node
+from spotring.launch.provider import Node
 from spotring.polling import poll
 
 T = TypeVar("T")

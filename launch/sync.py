@@ -20,9 +20,9 @@ import tarfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from launch.provider import Node
-from launch.rundir import RunDir
-from launch.ssh import RemoteError, Ssh, on_each
+from spotring.launch.provider import Node
+from spotring.launch.rundir import RunDir
+from spotring.launch.ssh import RemoteError, Ssh, on_each
 
 
 def tar(files: dict[str, Path], mode: int | None = None) -> bytes:

@@ -27,8 +27,8 @@ import re
 import time
 from pathlib import Path
 
-from launch.rundir import RunDir
 from spotring.exits import PREEMPTED
+from spotring.launch.rundir import RunDir
 
 # The trainer's line (trainer/loop.py) and the library's (spotring/job.py: restore).
 _RESUMED = re.compile(r"resumed (?:from \S+ )?at step (\d+)")

@@ -16,12 +16,12 @@ import shlex
 
 from omegaconf import DictConfig
 
-from launch import hostfile
-from launch.down import down_after
-from launch.provider import Node, Provider
-from launch.run import job_for, ssh_for
-from launch.rundir import RunDir
-from launch.ssh import new_key, scan_host_keys
+from spotring.launch import hostfile
+from spotring.launch.down import down_after
+from spotring.launch.provider import Node, Provider
+from spotring.launch.run import job_for, ssh_for
+from spotring.launch.rundir import RunDir
+from spotring.launch.ssh import new_key, scan_host_keys
 
 log = logging.getLogger("launch")
 

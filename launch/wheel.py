@@ -2,9 +2,9 @@
 version, whether it came from a wheel (site-packages) or is a checkout installed in
 editable mode (pip install -e).
 
-It holds the distribution's top-level packages (spotring, trainer, launch, sweep,
-benchmarks, conf) as Python imports them here, with every file under them that a project
-would send (launch/project.py's files: in a checkout, git's files; never __pycache__/ or
+It holds the distribution's package (spotring, with its parts spotring.trainer,
+spotring.launch... beneath it) as Python imports it here, with every file under it that a
+project would send (launch/project.py's files: in a checkout, git's files; never __pycache__/ or
 *.pyc), so package data such as conf/*.yaml and launch/node/ comes along; and a
 .dist-info with the installed METADATA (or PKG-INFO) and entry_points.txt (so `pip
 install` makes the `spotring` command), top_level.txt, WHEEL and the RECORD computed here.
@@ -18,10 +18,12 @@ import base64
 import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import zipfile
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
-from launch import project
+from spotring.launch import project
 
 DISTRIBUTION = "spotring"
 WHEEL = "Wheel-Version: 1.0\nGenerator: spotring (launch/wheel.py)\nRoot-Is-Purelib: true\n" \
@@ -36,7 +38,8 @@ def build(dest: Path) -> Path:
     version = dist.version.replace("-", "_")
     info = f"{DISTRIBUTION}-{version}.dist-info"
     packages = _top_level(dist)
-    files = {name: path for package in packages for name, path in _files_of(package).items()}
+    files = {name: path for package in [*packages, *_mapped_elsewhere(dist)]
+             for name, path in _files_of(package).items()}
     members = {name: path.read_bytes() for name, path in files.items()}
     # PKG-INFO: an .egg-info's, where Python finds a checkout's first (run from its root).
     metadata = dist.read_text("METADATA") or dist.read_text("PKG-INFO")
@@ -72,6 +75,31 @@ def _top_level(dist: importlib.metadata.Distribution) -> list[str]:
     return sorted(n for n in names if n.isidentifier() and not n.startswith("__"))
 
 
+def _mapped_elsewhere(dist: importlib.metadata.Distribution) -> list[str]:
+    """The packages a checkout maps to folders of their own (its trainer/ is
+    spotring.trainer: pyproject.toml's package-dir), which a walk of the top-level
+    package's folder does not find; none for an install from a wheel."""
+    root = _checkout(dist)
+    if root is None:
+        return []
+    import tomllib  # Python 3.11 on; a checkout of spotring is a developer's
+
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    mapping = pyproject["tool"]["setuptools"]["package-dir"]
+    return sorted(name for name, folder in mapping.items()
+                  if Path(folder).parts != tuple(name.split(".")))
+
+
+def _checkout(dist: importlib.metadata.Distribution) -> Path | None:
+    """The checkout spotring runs from: an editable install's (direct_url.json, PEP 610),
+    or the one whose .egg-info Python finds first when run from its root."""
+    direct = json.loads(dist.read_text("direct_url.json") or "{}")
+    if direct.get("dir_info", {}).get("editable"):
+        return Path(unquote(urlparse(direct["url"]).path))
+    root = Path(str(dist.locate_file("")))
+    return root if (root / "pyproject.toml").is_file() else None
+
+
 def _files_of(name: str) -> dict[str, Path]:
     """Name in the wheel -> file here, of the top-level package or module ``name`` where
     Python imports it from (through an editable install's finder too)."""
@@ -82,7 +110,8 @@ def _files_of(name: str) -> dict[str, Path]:
     if not spec.submodule_search_locations:  # a module of one file
         return {Path(spec.origin).name: Path(spec.origin)}
     root = Path(list(spec.submodule_search_locations)[0])
-    return {f"{name}/{file}": path for file, path in project.files(root).items()}
+    inside = name.replace(".", "/")
+    return {f"{inside}/{file}": path for file, path in project.files(root).items()}
 
 
 def _record(members: dict[str, bytes], record: str) -> bytes:

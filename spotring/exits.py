@@ -1,7 +1,7 @@
 """How a trainer process ends: its exit codes, the notes rank 0 leaves when preempted
 or diverged, the way out when a rank is lost, and how a launcher reads an exit
 (``classify``: which are run again, against which budget). Free of torch, so that
-`python -m launch` starts fast.
+`python -m spotring.launch` starts fast.
 
     0   done
     1   failed (a traceback says why)

@@ -11,3 +11,12 @@ its commands) and of benchmarks.plots (the report's plots); neither imports it
                 study, killed trials resumed
     report.py   sweep_report.md and its plots
 """
+
+from spotring.cli import Command
+
+# What this package adds to the `spotring` command (spotring/cli.py).
+COMMANDS = {
+    "sweep": Command("spotring.sweep.__main__:main",
+                     "many trials at once, searched by Optuna: hyperparameters, model "
+                     "families"),
+}

@@ -1,5 +1,5 @@
 """spotring sweep: many trials at once, searched by Optuna; each trial a whole spotring
-training job on its own slice of this machine or of a cluster (also `python -m sweep`).
+training job on its own slice of this machine or of a cluster (also `python -m spotring.sweep`).
 
     spotring sweep sweep=mnist_lr_wd sweep.parallel=2      the Bayesian LR + weight-decay
                                                            study, 2 trials at a time
@@ -44,9 +44,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from launch.console import interrupt_on_termination, log_to, split_trainer_args
 from spotring.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, ConfigError
-from sweep import config
+from spotring.launch.console import interrupt_on_termination, log_to, split_trainer_args
+from spotring.sweep import config
 
 log = logging.getLogger("launch")
 
@@ -78,8 +78,8 @@ def sweep(overrides: list[str], after_dashes: list[str], command: str) -> int:
     except ImportError as e:
         raise ConfigError(f"spotring sweep needs Optuna ({e}): pip install 'spotring[sweep]'"
                           ) from e
-    from sweep.runner import Runner
-    from sweep.study import Study
+    from spotring.sweep.runner import Runner
+    from spotring.sweep.study import Study
 
     plan = config.plan(overrides, after_dashes)
     cfg = plan.cfg.sweep
@@ -117,7 +117,7 @@ def sweep(overrides: list[str], after_dashes: list[str], command: str) -> int:
 
 
 def _slots(plan: config.Plan) -> list:
-    from sweep import slots
+    from spotring.sweep import slots
 
     cfg = plan.cfg.sweep
     if cfg.slurm:

@@ -36,11 +36,11 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
-from launch import project
-from launch.contract import split_command
 from spotring.exits import ConfigError
-from trainer import config as trainer_config
-from trainer.config import choices, compose_checked, one_of
+from spotring.launch import project
+from spotring.launch.contract import split_command
+from spotring.trainer import config as trainer_config
+from spotring.trainer.config import choices, compose_checked, one_of
 
 SamplerName = choices("SamplerName", "auto grid random tpe nsga2")
 PrunerName = choices("PrunerName", "none median hyperband")

@@ -260,7 +260,7 @@ def _draw(sweep_dir: Path, objectives: dict[str, str], rows: list[TrialRow],
     try:
         # Here, not at the top: the runner imports this module before any trial, and
         # matplotlib is an extra. benchmarks.plots sets the Agg backend.
-        from benchmarks import plots
+        from spotring.benchmarks import plots
     except ImportError:
         return None
     drawn = [HISTORY]

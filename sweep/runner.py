@@ -50,14 +50,14 @@ import optuna
 from omegaconf import OmegaConf
 from optuna.trial import TrialState
 
-from launch import contract
-from launch.job_command import NOTES
 from spotring.exits import DIVERGED, Outcome, classify
+from spotring.launch import contract
+from spotring.launch.job_command import NOTES
 from spotring.stores import write_atomic
-from sweep import report
-from sweep.config import Plan, record_field
-from sweep.slots import TRIAL_LOG, Attempt, Slot, Work
-from sweep.study import Study
+from spotring.sweep import report
+from spotring.sweep.config import Plan, record_field
+from spotring.sweep.slots import TRIAL_LOG, Attempt, Slot, Work
+from spotring.sweep.study import Study
 
 log = logging.getLogger("launch")
 POLL_S = 1.0  # how often trials are checked for their end and new evaluations
@@ -323,7 +323,7 @@ def _stamp(log: IO[bytes], event: str) -> None:
 def _is_group(key: str) -> bool:
     from importlib.resources import files
 
-    return "." not in key and files("conf").joinpath(key).is_dir()
+    return "." not in key and files("spotring.conf").joinpath(key).is_dir()
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

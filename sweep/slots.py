@@ -12,11 +12,11 @@
 
 A trial (Work) is the trainer with its overrides, or the user's command:
 
-    here, 1 worker        python -m trainer hydra.run.dir=DIR ARGS      CMD
+    here, 1 worker        python -m spotring.trainer hydra.run.dir=DIR ARGS      CMD
     here, W workers       torchrun --standalone --nproc-per-node W ...
-                                   -m trainer ...                       ... --no-python CMD
+                                   -m spotring.trainer ...                       ... --no-python CMD
     a cluster             launch.job_command.build's job, with the trainer or CMD
-    SLURM                 srun ... python -m trainer ...                srun ... CMD
+    SLURM                 srun ... python -m spotring.trainer ...                srun ... CMD
 
 Every process of it gets Work.env: the contract's variables (launch/contract.py), with
 SPOTRING_RUN_DIR the trial's run directory (Slot.run_dir), and SPOTRING_PARAMS.
@@ -45,13 +45,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from launch import hostfile, job_command, project, sync
-from launch.commands import local_command, local_environment
-from launch.contract import RUN_DIR
-from launch.provider import Node
-from launch.rundir import RunDir
-from launch.ssh import RemoteError, Ssh, on_each
 from spotring.exits import ConfigError
+from spotring.launch import hostfile, job_command, project, sync
+from spotring.launch.commands import local_command, local_environment
+from spotring.launch.contract import RUN_DIR
+from spotring.launch.provider import Node
+from spotring.launch.rundir import RunDir
+from spotring.launch.ssh import RemoteError, Ssh, on_each
 
 # Seconds a trial gets to checkpoint and leave after SIGTERM before it is killed.
 STOP_GRACE_S = 60.0
@@ -99,7 +99,7 @@ class Work:
     env: dict[str, str]  # what every process of it gets
 
     def trainer_args(self, trial_dir: Path) -> list[str]:
-        """The trainer's arguments after `python -m trainer`, writing to ``trial_dir``."""
+        """The trainer's arguments after `python -m spotring.trainer`, writing to ``trial_dir``."""
         return [f"hydra.run.dir={trial_dir}", *self.args]
 
 
@@ -274,9 +274,9 @@ def cluster_slots(run_id: str, runs_dir: str, parallel: int, nodes_per_trial: in
     """The nodes of a run `spotring up` brought up (run_id, or "latest" for the newest),
     ``nodes_per_trial`` to a slot; the project (this directory) and the environment
     that runs ``command`` (or the trainer) go onto them first, as `spotring run` does."""
-    from launch import config as launch_config
-    from launch.clusters import provider_for
-    from launch.run import prepare, ssh_for
+    from spotring.launch import config as launch_config
+    from spotring.launch.clusters import provider_for
+    from spotring.launch.run import prepare, ssh_for
 
     run = RunDir.find(runs_dir, None if run_id == "latest" else run_id)
     cfg = launch_config.with_saved_cluster(launch_config.compose([]), run.config, [])

@@ -19,7 +19,7 @@ from optuna.storages.journal import JournalFileBackend
 
 from spotring.exits import ConfigError
 from spotring.stores import S3Store
-from sweep.config import Plan
+from spotring.sweep.config import Plan
 
 JOURNAL = "study.journal"
 log = logging.getLogger("launch")

@@ -18,7 +18,7 @@ import boto3
 from botocore.stub import Stubber
 from moto.server import ThreadedMotoServer
 
-from launch.aws.tags import run_filter
+from spotring.launch.aws.tags import run_filter
 
 REGION = "us-east-1"
 # A machine image moto knows in every region (its AMI list comes from AWS's).

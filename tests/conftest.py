@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch.commands import local_command, local_environment
-from trainer.config import compose
+from spotring.launch.commands import local_command, local_environment
+from spotring.trainer.config import compose
 
 REPO = Path(__file__).resolve().parents[1]
 # Keep test runs short and their output readable.
@@ -78,7 +78,7 @@ def train(tmp_path):
 
 
 def compose_config(*overrides: str):
-    """The composed config, as `python -m trainer` would see it (no run directory)."""
+    """The composed config, as `python -m spotring.trainer` would see it (no run directory)."""
     return compose(list(overrides))
 
 

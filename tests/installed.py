@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from launch import project
+from spotring.launch import project
 
 REPO = Path(__file__).resolve().parents[1]
 log = logging.getLogger(__name__)

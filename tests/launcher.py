@@ -1,4 +1,4 @@
-"""Running the launcher as users do (python -m launch, make launch), following a launch
+"""Running the launcher as users do (python -m spotring.launch, make launch), following a launch
 as it goes (a spot notice for one of its nodes), and finding what a local cluster leaves
 on this machine: namespaces, links, processes."""
 
@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from launch.local import netns
-from launch.rundir import RunDir
+from spotring.launch.local import netns
+from spotring.launch.rundir import RunDir
 from tests.conftest import REPO
 from tests.imds import MetadataStub
 
@@ -25,7 +25,7 @@ CLONE_NEWNET = 0x40000000  # setns(2): join a network namespace
 
 def launcher(*args: str, env: dict | None = None, timeout: float = 120
              ) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "spotring.launch", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -24,8 +24,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from launch.local import netns
-from launch.local.provider import FIRST_HOST
+from spotring.launch.local import netns
+from spotring.launch.local.provider import FIRST_HOST
 from spotring.polling import poll
 from tests.launcher import netns_unavailable, processes
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.stats import mean_ci
+from spotring.benchmarks.stats import mean_ci
 from tests.conftest import REPO
 
 REFERENCE = REPO / "benchmarks" / "results" / "reference"
@@ -27,12 +27,12 @@ NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")
 
 
 def bench(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "benchmarks.suite", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "spotring.benchmarks.suite", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)
 
 
 def report(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "benchmarks.report", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "spotring.benchmarks.report", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -245,7 +245,7 @@ def test_bad_bench_input_exits_2_before_anything_runs(tmp_path, args, named):
     (["--variant", "files"], "--data"),
 ])
 def test_bad_api_cost_input_exits_2_naming_it(tmp_path, capsys, args, named):
-    from benchmarks import api_cost
+    from spotring.benchmarks import api_cost
 
     with pytest.raises(SystemExit) as exited:
         api_cost.main([*args, "--name", str(tmp_path / "run")])
@@ -277,7 +277,7 @@ def test_a_quick_benchmark_run_from_measurement_to_report(tmp_path):
     assert check_report(run) > 40
     check_plots(run, results)
     check_bus_bandwidth(results)
-    assert results["command"].startswith("python -m benchmarks.suite --quick")
+    assert results["command"].startswith("python -m spotring.benchmarks.suite --quick")
     assert results["throughput"]["gradient_bytes"] == 4 * (32 * 25 + 32 + 64 * 32 * 25 + 64
                                                            + 1024 * 128 + 128 + 1280 + 10)
     rows = {(r["engine"], r["workers"]): r for r in results["throughput"]["rows"]}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from spotring.exits import ConfigError
+from spotring.trainer.config import validate
 from tests.conftest import REPO, compose_config, run_trainer
-from trainer.config import validate
 
 
 def problems(*overrides: str) -> str:

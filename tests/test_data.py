@@ -15,9 +15,9 @@ import torch
 from omegaconf import OmegaConf
 
 from spotring.sampler import epoch_order, shard, steps_in_epoch
+from spotring.trainer.data import Batches
+from spotring.trainer.datasets import DataError, Dataset, Split, load
 from tests.conftest import REPO
-from trainer.data import Batches
-from trainer.datasets import DataError, Dataset, Split, load
 
 N = 1000
 
@@ -152,7 +152,7 @@ def mnist_gz_only(root):
 READ_MNIST = """
 import sys
 from omegaconf import OmegaConf
-from trainer.datasets import load
+from spotring.trainer.datasets import load
 mnist = load(OmegaConf.create({"name": "mnist"}),
              OmegaConf.create({"root": sys.argv[1], "download": False}), 0)
 print(int(mnist.train.images.sum()), int(mnist.test.labels.sum()))

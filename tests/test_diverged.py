@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from launch.job_command import JobCommand
 from spotring.exits import DIVERGED, EXIT_DIVERGED
+from spotring.launch.job_command import JobCommand
 
 # optim.lr=1e4 (x2 at batch 64): the train loss is ~5e14 after step 2 and infinite at
 # step 3 on MNIST with the default config.

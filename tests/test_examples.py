@@ -29,9 +29,9 @@ import torch
 from PIL import Image
 from torchvision.datasets import ImageFolder
 
-from launch.commands import BIN, local_environment
 from spotring.checkpoint import Checkpoints, find_resume
 from spotring.exits import EXIT_PREEMPTED
+from spotring.launch.commands import BIN, local_environment
 from spotring.polling import poll
 from spotring.sampler import epoch_order
 from tests.conftest import REPO, assert_close

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.commands import BIN, local_command, local_environment
 from spotring.exits import PREEMPTED
+from spotring.launch.commands import BIN, local_command, local_environment
 from tests.conftest import QUICK, REPO
 
 TIMEOUT_S = 6  # engine.timeout_s in these tests
@@ -45,7 +45,8 @@ class Rank:
                           LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trainer", f"hydra.run.dir={run_dir}", *QUICK, *LONG_RUN],
+            [sys.executable, "-m", "spotring.trainer", f"hydra.run.dir={run_dir}", *QUICK,
+             *LONG_RUN],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()

@@ -16,9 +16,9 @@ import pytest
 import torch
 from packaging.requirements import Requirement
 
-from benchmarks import gpu_bundle, gpu_check
+from spotring.benchmarks import gpu_bundle, gpu_check
+from spotring.trainer.config import compile_unavailable
 from tests.conftest import REPO
-from trainer.config import compile_unavailable
 
 
 @pytest.mark.slow
@@ -51,7 +51,7 @@ def test_the_cpu_mode_runs_every_check_and_reports_each_figure(tmp_path):
         (run,) = figures["runs"]
         assert run["seconds_to_target"] > 0 and run["images_per_second"] > 0
         assert run["backend"] == "gloo" and run["command"] in checks[name]["commands"]
-        assert f"--nproc-per-node {workers} -m trainer" in run["command"]
+        assert f"--nproc-per-node {workers} -m spotring.trainer" in run["command"]
     assert checks["parity"]["figures"]["relative_difference"] <= 1e-10
     throughput = checks["throughput fp32"]["figures"]
     assert throughput["images_per_second"]["mean"] > 0 and throughput["peak_memory_mb"] > 0
@@ -120,7 +120,7 @@ def test_the_bundle_list_is_all_the_trainer_needs_beside_torch(tmp_path):
                            text=True, timeout=120)
     assert where.returncode == 0, where.stderr
     assert all(path.startswith(str(site)) for path in where.stdout.split())
-    run = subprocess.run([*isolated, "-m", "trainer", f"hydra.run.dir={tmp_path / 'run'}",
+    run = subprocess.run([*isolated, "-m", "spotring.trainer", f"hydra.run.dir={tmp_path / 'run'}",
                           "telemetry.progress=false", "train.device=cpu", "train.max_steps=2",
                           "dataset=synthetic", "dataset.train_size=256", "dataset.test_size=64"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch.commands import local_command, local_environment
+from spotring.launch.commands import local_command, local_environment
+from spotring.trainer.models import build_model
 from tests.conftest import PARITY, QUICK, REPO, assert_close, compose_config, run_trainer
-from trainer.models import build_model
 
 STEPS = [*PARITY, "train.batch_size=32"]
 
@@ -109,7 +109,8 @@ def test_killed_rank_ends_the_horovod_job(tmp_path, launcher):
     time.sleep(2)
     # The ranks' own processes: the launcher's command line names the run dir as well,
     # and horovodrun starts its ranks in sessions of their own.
-    worker = f"^{re.escape(sys.executable)} -m trainer hydra.run.dir={re.escape(str(tmp_path))} "
+    worker = (f"^{re.escape(sys.executable)} -m spotring.trainer "
+              f"hydra.run.dir={re.escape(str(tmp_path))} ")
     workers = subprocess.run(["pgrep", "-f", "-n", worker], capture_output=True,
                              text=True).stdout.split()
     assert workers and int(workers[-1]) != proc.pid, "no worker found"

@@ -1,7 +1,7 @@
 """cluster=aws_spot against a moto server: what `up` creates, that `down` (and every
 failure) leaves nothing with the run's tag, capacity fallback, bad input, cost.
 
-The command-line tests run `python -m launch` as users do, against moto through
+The command-line tests run `python -m spotring.launch` as users do, against moto through
 AWS_ENDPOINT_URL. The provider tests call the provider in this process, where
 MotoGaps (botocore's Stubber) answers what moto lacks: placement groups, running out
 of capacity, failing a call (tests/aws.py)."""
@@ -22,12 +22,12 @@ from botocore.awsrequest import AWSResponse
 from botocore.exceptions import ClientError
 from omegaconf import OmegaConf
 
-from launch import config
-from launch.aws.provider import AwsSpot
-from launch.cost import usd
-from launch.provider import NoCapacity
-from launch.rundir import RunDir
-from launch.ssh import new_key
+from spotring.launch import config
+from spotring.launch.aws.provider import AwsSpot
+from spotring.launch.cost import usd
+from spotring.launch.provider import NoCapacity
+from spotring.launch.rundir import RunDir
+from spotring.launch.ssh import new_key
 from tests.aws import (
     AMI,
     MOTO_CLUSTER,
@@ -77,7 +77,7 @@ def moto_env(aws: dict, tmp_path, **extra) -> dict[str, str]:
 
 @pytest.fixture
 def cli(aws, tmp_path):
-    """python -m launch against moto, with its runs under tmp_path/runs."""
+    """python -m spotring.launch against moto, with its runs under tmp_path/runs."""
     def _cli(command: str, *overrides: str, expect: int | None = 0, **extra_env
              ) -> subprocess.CompletedProcess:
         # The test's overrides last: of two values for one key, Hydra takes the last.
@@ -111,8 +111,8 @@ def test_up_status_cost_down(cli, tmp_path):
     assert run.hosts_mpich.read_text() == "".join(f"{a}:4\n" for a in addresses)
     assert [line.split()[0] for line in run.known_hosts.read_text().splitlines()] == addresses
     assert run.key.stat().st_mode & 0o777 == 0o600
-    assert ("exec horovodrun --gloo -np 8 --hostfile hosts --start-timeout 120 python -m "
-            "trainer engine=horovod") in up.stdout
+    assert ("exec horovodrun --gloo -np 8 --hostfile hosts --start-timeout 120 spotring "
+            "train engine=horovod") in up.stdout
 
     # What moto holds: every kind tagged, the fleet as asked, SSH only from the caller.
     client = ec2()
@@ -211,7 +211,7 @@ def test_launch_takes_everything_down_on_ctrl_c(aws, tmp_path):
     # A session of its own, as a shell gives a job: Ctrl-C goes to its process group.
     # And SIGINT's default action, as an interactive shell gives a foreground job, even
     # when pytest itself runs in the background (`&` ignores SIGINT, for its children too).
-    proc = subprocess.Popen([sys.executable, "-m", "launch", "launch", "nodes=2",
+    proc = subprocess.Popen([sys.executable, "-m", "spotring.launch", "launch", "nodes=2",
                              f"runs_dir={tmp_path / 'runs'}", *MOTO_CLUSTER], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True,
@@ -239,8 +239,8 @@ def test_dry_run_calls_no_api(tmp_path):
     assert "dry run of `launch`: nothing is created, no cloud API is called" in out
     assert "create_fleet type=instant, 8 nodes or none (MinTargetCapacity=8" in out
     assert "IMDSv2 required" in out and "tcp/22 from this machine's public address" in out
-    assert ("horovodrun --gloo -np 8 --hostfile hosts --start-timeout 120 python -m trainer "
-            "engine=horovod") in out
+    assert ("horovodrun --gloo -np 8 --hostfile hosts --start-timeout 120 spotring "
+            "train engine=horovod") in out
     assert "train.epochs=30" in out and "down      delete everything" in out
     assert list(tmp_path.iterdir()) == []  # no run dir either
 
@@ -461,8 +461,8 @@ def test_up_failing_at_the_placement_group_deletes_the_rest(cli, tmp_path):
     proc = cli("up", "nodes=1", "cluster.placement_group=true", expect=1,
                AWS_MAX_ATTEMPTS="2")
     run = only_run(tmp_path)
-    why, left = proc.stderr.split(f"\npython -m launch up: run {run.id}: ")
-    assert why.startswith("python -m launch up: failed: ") and "500 Internal Server" in why
+    why, left = proc.stderr.split(f"\npython -m spotring.launch up: run {run.id}: ")
+    assert why.startswith("python -m spotring.launch up: failed: ") and "500 Internal Server" in why
     lines = left.splitlines()
     assert lines[:3] == ["still there after every deletion was tried:",
                          "  - placement groups: unknown (their look-up failed)", "  because:"]
@@ -473,8 +473,8 @@ def test_up_failing_at_the_placement_group_deletes_the_rest(cli, tmp_path):
     assert tagged(run.id) == {}
     # `down` cannot look them up either: it says so, and exits 1, every time.
     again = cli("down", expect=1, AWS_MAX_ATTEMPTS="1")
-    assert again.stderr.startswith(f"python -m launch down: failed: run {run.id}: still there "
-                                   "after every deletion was tried:\n  - placement groups: ")
+    assert again.stderr.startswith(f"python -m spotring.launch down: failed: run {run.id}: still "
+                                   "there after every deletion was tried:\n  - placement groups: ")
     assert "destroyed_at" not in state(run.path)
 
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from launch.local import netns
-from launch.rundir import RunDir
 from spotring.exits import EXIT_CONFIG
+from spotring.launch.local import netns
+from spotring.launch.rundir import RunDir
 from tests import user_script
 from tests.installed import spotring_venv
 from tests.launcher import Followed, leftovers, netns_unavailable, notice_node_1, processes
@@ -65,7 +65,7 @@ def spotring(venv: Path, cwd: Path, *args: str, **kwargs) -> subprocess.Popen:
 
 def test_bad_input_exits_2_before_any_node(tmp_path):
     """Checked in-process: the same code path, no cluster needed (not even root)."""
-    from launch.__main__ import main
+    from spotring.launch.__main__ import main
 
     root = user_script.write_project(tmp_path / "p")
     cases = {

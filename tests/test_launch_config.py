@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from launch import config
-from launch.__main__ import main
 from spotring.exits import ConfigError
+from spotring.launch import config
+from spotring.launch.__main__ import main
 from tests.conftest import REPO
 from tests.launcher import launcher
 
@@ -94,7 +94,7 @@ def test_min_nodes_follows_nodes_and_the_defaults_are_valid():
 
 
 def test_down_all_mine_takes_only_the_local_clusters_own_links():
-    from launch.local import netns
+    from spotring.launch.local import netns
 
     names = netns.Names("20261122-114501-3f2a")
     ours = [names.bridge, names.veth(0), names.peer(12)]
@@ -103,7 +103,7 @@ def test_down_all_mine_takes_only_the_local_clusters_own_links():
 
 
 def test_the_launcher_starts_without_importing_torch():
-    # torch takes seconds to import; `python -m launch status` should not wait for it.
+    # torch takes seconds to import; `python -m spotring.launch status` should not wait for it.
     code = ("import sys, launch.__main__, launch.aws.provider, launch.local.provider; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'horovod')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
@@ -151,8 +151,8 @@ def test_a_bad_command_line_exits_2_naming_it(capsys, argv, message):
 
 def test_python_dash_m_launch_names_itself():
     proc = launcher("down", "--help")
-    assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m launch down ")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m spotring.launch down ")
     proc = launcher("up", "nodes=0", "--dry-run")
     assert proc.returncode == 2
-    assert proc.stderr.startswith("python -m launch up: error: bad launch configuration:\n"
+    assert proc.stderr.startswith("python -m spotring.launch up: error: bad launch configuration:\n"
                                   "  - nodes=0: must be from 1 to cluster.max_nodes=16")

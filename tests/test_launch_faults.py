@@ -22,8 +22,8 @@ from typing import NamedTuple
 
 import pytest
 
-from launch.__main__ import main
 from spotring.exits import EXIT_FAILED
+from spotring.launch.__main__ import main
 from tests.aws import MOTO_CLUSTER, aws_env, stand_in_ssh, start_moto, tagged
 from tests.faults import FAULTS, FaultProxy, blips, in_turn, outage
 

@@ -7,10 +7,10 @@ import subprocess
 
 from horovod.runner.common.util import hosts as horovod_hosts
 
-from launch import hostfile, job_command
-from launch.commands import BIN, local_environment
-from launch.provider import Node
 from spotring.exits import PREEMPTED
+from spotring.launch import hostfile, job_command
+from spotring.launch.commands import BIN, local_environment
+from spotring.launch.provider import Node
 
 # Two nodes of 4 GPUs: public addresses for ssh from here, private ones between them.
 NODES = [Node(f"i-{i}", f"203.0.113.{i}", f"10.0.1.{10 + i}", 4, "g5.12xlarge", "us-east-1a",
@@ -55,7 +55,7 @@ ENV = f"{LAUNCHER_ENV} SPOTRING_RUN_DIR=/w/runs/R"  # rank 0's run directory (la
 def test_the_job_command_of_each_launcher():
     job = job_command.build("horovodrun", NODES, "/w", "R", ["train.epochs=3"])
     assert job.commands == {0: f"cd /w && {ENV} exec horovodrun --gloo -np 8 --hostfile hosts "
-                               "--start-timeout 120 python -m trainer engine=horovod "
+                               "--start-timeout 120 spotring train engine=horovod "
                                "hydra.run.dir=runs/R train.epochs=3"}
     # A command of the user's own, word for word, with the contract's variables.
     job = job_command.build("horovodrun", NODES, "/w", "R", [], ["python", "t.py", "--lr", "0.1"],
@@ -70,7 +70,7 @@ def test_the_job_command_of_each_launcher():
     job = job_command.build("torchrun", NODES, "/w", "R", ["engine=horovod"])
     assert job.commands == {i: f"cd /w && {ENV} exec torchrun --nnodes 2 --nproc-per-node 4 "
                                f"--node-rank {i} --master-addr 10.0.1.10 --master-port 29400 "
-                               "--no-python python -m trainer hydra.run.dir=runs/R engine=horovod"
+                               "--no-python spotring train hydra.run.dir=runs/R engine=horovod"
                             for i in (0, 1)}
     # No launcher: the command once per node, told its node's place.
     job = job_command.build("none", NODES, "/w", "R", [], ["./run.sh"], results="out")

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from launch import config
-from launch.local import netns
-from launch.local.provider import LocalCluster
-from launch.rundir import RunDir
-from launch.ssh import RemoteError, Ssh, new_key, scan_host_keys
+from spotring.launch import config
+from spotring.launch.local import netns
+from spotring.launch.local.provider import LocalCluster
+from spotring.launch.rundir import RunDir
+from spotring.launch.ssh import RemoteError, Ssh, new_key, scan_host_keys
 from tests.conftest import REPO
 from tests.launcher import (
     Followed,
@@ -142,7 +142,7 @@ def test_a_preempted_node_and_a_vanished_one_are_replaced_and_billed(tmp_path, u
     every node at cluster.price for its own seconds."""
     price, on_demand = 0.25, 1.006
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launch", "launch", "nodes=2", "cluster=local",
+        [sys.executable, "-m", "spotring.launch", "launch", "nodes=2", "cluster=local",
          "cluster.max_preemptions=1", "cluster.max_restarts=1", "cluster.notice_poll_s=1",
          f"cluster.price={price}", f"+cluster.on_demand_prices={{netns: {on_demand}}}",
          f"runs_dir={tmp_path}", "--", *README_ARGS, "checkpoint.every_steps=20",

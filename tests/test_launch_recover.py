@@ -13,12 +13,12 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
-from launch.cost import after_run
-from launch.provider import NoCapacity, Node, Provider
-from launch.recover import _replace, _restart_args, supervise
-from launch.rundir import RunDir
-from launch.ssh import RemoteError
 from spotring.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PEER_LOST, EXIT_PREEMPTED, PREEMPTED
+from spotring.launch.cost import after_run
+from spotring.launch.provider import NoCapacity, Node, Provider
+from spotring.launch.recover import _replace, _restart_args, supervise
+from spotring.launch.rundir import RunDir
+from spotring.launch.ssh import RemoteError
 
 
 @pytest.mark.parametrize("before, workers, now, after", [
@@ -66,7 +66,7 @@ def test_without_replacements_the_survivors_go_on_if_they_are_enough(tmp_path, m
     run.path.mkdir()
     run.save_nodes([node(0), node(1), node(2)])
     admitted = []
-    monkeypatch.setattr("launch.recover.admit", lambda cfg, run, nodes, new:
+    monkeypatch.setattr("spotring.launch.recover.admit", lambda cfg, run, nodes, new:
                         admitted.append(([n.id for n in nodes], new)))
     cfg = OmegaConf.create({"cluster": {"min_nodes": 2}})
     assert [n.id for n in _replace(cfg, run, NoSpotLeft(), [node(1)])] == ["n0", "n2"]
@@ -120,8 +120,8 @@ def supervised(tmp_path, monkeypatch, tries, listed, max_restarts=1, max_preempt
             (run.job / PREEMPTED).write_text(json.dumps({"reason": "SIGTERM", "step": step}))
         return code
 
-    monkeypatch.setattr("launch.recover.run_job", job)
-    monkeypatch.setattr("launch.recover.admit", lambda cfg, run, nodes, new:
+    monkeypatch.setattr("spotring.launch.recover.run_job", job)
+    monkeypatch.setattr("spotring.launch.recover.admit", lambda cfg, run, nodes, new:
                         run.save_nodes(nodes))
     cfg = OmegaConf.create({"job": {"args": ["train.batch_size=32"], "command": [],
                                      "checkpoint_uri": None}, "cluster": {

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from launch.commands import BIN, local_environment
+from spotring.launch.commands import BIN, local_environment
 from tests.conftest import QUICK, REPO, Run
 
 SHORT = ["dataset=synthetic", "dataset.shape=[1,28,28]", "dataset.train_size=1280",
@@ -33,7 +33,7 @@ def short_run(run_dir, *overrides: str) -> list[str]:
 
 
 def trainer(run_dir, *overrides: str) -> list[str]:
-    return [str(BIN / "python"), "-m", "trainer", *short_run(run_dir, *overrides)]
+    return [str(BIN / "python"), "-m", "spotring.trainer", *short_run(run_dir, *overrides)]
 
 
 @pytest.mark.slow

@@ -1,15 +1,17 @@
 """The code's structure as the design states it (docs/design.md, "Packages"): data flows
 one way, so no module imports, at any depth or inside a function, one that imports it
-back; and the top-level packages stand in one order, each importing only those below
-it:
+back; and spotring's parts stand in one order, each importing only those below it:
 
-    conf <- spotring <- trainer <- launch <- benchmarks <- sweep <- the command
+    spotring.conf <- spotring <- spotring.trainer <- spotring.launch <- spotring.benchmarks
+    <- spotring.sweep
 
-conf is data (it imports nothing); spotring is the public API; trainer the built-in
+spotring.conf is data (it imports nothing); spotring (the base: the modules of spotring/
+itself) is the public API and the ``spotring`` command's dispatcher, which finds the
+subcommands through entry points and so names no part above it; trainer the built-in
 trainer on it; launch runs jobs on clusters; benchmarks measures them with launch's
-commands; sweep runs many trials with launch and draws its report with benchmarks.plots.
-The command (spotring.cli, the dispatcher, and spotring.__main__ that runs it) is the
-top: it may import any package, and no module imports it.
+commands; sweep runs many trials with launch. The parts are the repository's top-level
+folders, mapped under ``spotring.`` by pyproject.toml, which this test reads.
+``importlib.import_module("...")`` with a constant name counts as an import.
 """
 
 from __future__ import annotations
@@ -19,17 +21,26 @@ from collections.abc import Iterator
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
+import tomllib
+
 from tests.conftest import REPO
 
-ORDER = ("conf", "spotring", "trainer", "launch", "benchmarks", "sweep")  # lowest first
-COMMAND = ("spotring.cli", "spotring.__main__")
+BASE = "spotring"
+ORDER = ("spotring.conf", BASE, "spotring.trainer", "spotring.launch", "spotring.benchmarks",
+         "spotring.sweep")  # lowest first
+
+
+def parts() -> dict[str, Path]:
+    """Each part's package name -> its folder, as pyproject.toml maps them."""
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    return {name: REPO / folder for name, folder in setuptools["package-dir"].items()}
 
 
 def modules() -> dict[str, Path]:
     found = {}
-    for package in ORDER:
-        for path in (REPO / package).rglob("*.py"):
-            name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+    for package, folder in parts().items():
+        for path in folder.rglob("*.py"):
+            name = ".".join([package, *path.relative_to(folder).with_suffix("").parts])
             found[name.removesuffix(".__init__")] = path
     return found
 
@@ -39,7 +50,9 @@ def imported_by(name: str, path: Path, known: dict[str, Path]) -> dict[str, int]
     each with the line of its first import."""
     lines: dict[str, int] = {}
     for node in _run_time_nodes(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
+        if _imports_by_name(node):
+            names = {node.args[0].value}
+        elif isinstance(node, ast.Import):
             names = {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
@@ -55,6 +68,13 @@ def imported_by(name: str, path: Path, known: dict[str, Path]) -> dict[str, int]
     return lines
 
 
+def _imports_by_name(node: ast.AST) -> bool:
+    """importlib.import_module("constant.name")."""
+    return (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module")
+            and bool(node.args) and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str))
+
+
 def _run_time_nodes(tree: ast.AST) -> Iterator[ast.AST]:
     """Every node of ``tree`` but the bodies of ``if TYPE_CHECKING:``, which never run
     (spotring/__init__.py names its lazily imported exports there for type checkers)."""
@@ -67,20 +87,19 @@ def _run_time_nodes(tree: ast.AST) -> Iterator[ast.AST]:
             yield from _run_time_nodes(node)
 
 
+def part(module: str) -> str:
+    """The part a module belongs to: the longest of ORDER its name starts with."""
+    return max((p for p in ORDER if module == p or module.startswith(p + ".")), key=len)
+
+
 def layer(module: str) -> int:
-    """The module's place in the order: its package's, the command's above them all."""
-    return len(ORDER) if module in COMMAND else ORDER.index(module.split(".")[0])
-
-
-def layer_name(module: str) -> str:
-    return "the command" if module in COMMAND else module.split(".")[0]
+    return ORDER.index(part(module))
 
 
 def upward_imports(graph: dict[str, dict[str, int]], paths: dict[str, Path]) -> list[str]:
     """Every import of a module from a layer above the importer's, as PATH:LINE and why."""
     return [f"{paths[name].relative_to(REPO)}:{line}: {name} imports {imported}, but "
-            f"{layer_name(name)} stands below {layer_name(imported)} "
-            f"({' <- '.join(ORDER)} <- the command)"
+            f"{part(name)} stands below {part(imported)} ({' <- '.join(ORDER)})"
             for name, imports in sorted(graph.items())
             for line, imported in sorted((line, i) for i, line in imports.items())
             if layer(imported) > layer(name)]
@@ -105,14 +124,18 @@ def test_packages_import_only_those_below_them():
 
 def test_an_upward_import_is_named_with_its_line():
     paths = {"spotring.checkpoint": REPO / "spotring/checkpoint.py",
-             "trainer.config": REPO / "trainer/config.py",
-             "spotring.cli": REPO / "spotring/cli.py"}
-    graph = {"spotring.checkpoint": {"trainer.config": 12, "spotring.cli": 30},
-             "trainer.config": {"spotring.checkpoint": 5},
-             "spotring.cli": {"trainer.config": 40}}
-    order = "(conf <- spotring <- trainer <- launch <- benchmarks <- sweep <- the command)"
+             "spotring.trainer.config": REPO / "trainer/config.py"}
+    graph = {"spotring.checkpoint": {"spotring.trainer.config": 12, "spotring.launch": 30},
+             "spotring.trainer.config": {"spotring.checkpoint": 5}}
+    order = " <- ".join(ORDER)
     assert upward_imports(graph, paths) == [
-        "spotring/checkpoint.py:12: spotring.checkpoint imports trainer.config, but spotring "
-        f"stands below trainer {order}",
-        "spotring/checkpoint.py:30: spotring.checkpoint imports spotring.cli, but spotring "
-        f"stands below the command {order}"]
+        "spotring/checkpoint.py:12: spotring.checkpoint imports spotring.trainer.config, but "
+        f"spotring stands below spotring.trainer ({order})",
+        "spotring/checkpoint.py:30: spotring.checkpoint imports spotring.launch, but "
+        f"spotring stands below spotring.launch ({order})"]
+
+
+def test_an_import_by_name_counts():
+    tree = ast.parse("import importlib\nimportlib.import_module('spotring.sweep.runner')\n")
+    assert [n.args[0].value for n in ast.walk(tree) if _imports_by_name(n)] == [
+        "spotring.sweep.runner"]

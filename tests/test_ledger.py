@@ -10,10 +10,10 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
-from launch import ledger, tries
-from launch.cost import after_run
-from launch.provider import Node
-from launch.rundir import RunDir
+from spotring.launch import ledger, tries
+from spotring.launch.cost import after_run
+from spotring.launch.provider import Node
+from spotring.launch.rundir import RunDir
 
 T0 = 1_800_000_000.0  # when the run's first nodes came: 08:00:00 UTC
 

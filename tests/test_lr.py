@@ -10,8 +10,8 @@ import torch
 
 from spotring import scaled_lr, warmup_schedule
 from spotring.exits import ConfigError
+from spotring.trainer.schedule import lr_schedule
 from tests.conftest import compose_config
-from trainer.schedule import lr_schedule
 
 # lr 0.1 at 256 samples a step, run at 1024: k = 4, the peak 0.4 after 10 steps of 50.
 RULE = {"reference_batch": 256, "global_batch": 1024, "warmup_steps": 10, "total_steps": 50}

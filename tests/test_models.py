@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from spotring.exits import ConfigError
+from spotring.trainer.config import validate
+from spotring.trainer.models import build_model, l1_penalty
 from tests.conftest import compose_config, run_trainer
-from trainer.config import validate
-from trainer.models import build_model, l1_penalty
 
 
 def parameters(model: torch.nn.Module) -> int:

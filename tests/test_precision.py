@@ -36,13 +36,13 @@ from spotring import engines, runtime
 from spotring.checkpoint import Checkpoints, find_resume
 from spotring.exits import ConfigError
 from spotring.job import Job
+from spotring.trainer import datasets
+from spotring.trainer.config import validate
+from spotring.trainer.loop import Trainer
+from spotring.trainer.models import build_model
 from tests.conftest import PARITY, REPO, Run, compose_config, run_trainer
 from tests.test_cli import spotring
 from tests.test_horovod import distance_ratios
-from trainer import datasets
-from trainer.config import validate
-from trainer.loop import Trainer
-from trainer.models import build_model
 
 # PARITY: real MNIST, 20 steps, seed 11, a checkpoint after every step, float64; NCHW,
 # so that each test turns on only the options it is about.

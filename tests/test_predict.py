@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks.allreduce import bandwidth
-from benchmarks.predict import (
+from spotring.benchmarks.allreduce import bandwidth
+from spotring.benchmarks.predict import (
     PRESETS,
     cost_optimal,
     fit_alpha_beta,
@@ -35,7 +35,7 @@ PUBLISHED = [("chameleon-resnet50", 1, "img_s", 194.86),
 
 
 def predict_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "benchmarks.predict", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "spotring.benchmarks.predict", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
 
 

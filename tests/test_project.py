@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from launch import project, wheel
 from spotring.exits import ConfigError
+from spotring.launch import project, wheel
 from tests.installed import spotring_venv
 
 PYTHON_TRAIN = ["python", "train.py", "--steps", "3"]
@@ -146,16 +146,20 @@ def test_wheel_of_this_checkout(tmp_path):
             assert int(size) == len(data)
             assert digest == "sha256=" + base64.urlsafe_b64encode(
                 hashlib.sha256(data).digest()).rstrip(b"=").decode()
-        assert archive.getinfo("launch/node/build-horovod").external_attr >> 16 == 0o755
+        assert archive.getinfo("spotring/launch/node/build-horovod").external_attr >> 16 == 0o755
         entry_points = archive.read("spotring-0.1.0.dist-info/entry_points.txt").decode()
     assert sorted(line.rsplit(",", 2)[0] for line in record) == sorted(names)
-    for name in ["spotring/__init__.py", "trainer/__init__.py", "launch/wheel.py",
-                 "sweep/__init__.py", "benchmarks/__init__.py", "conf/config.yaml",
-                 "conf/cluster/local.yaml", "launch/node/setup.sh",
+    assert {name.split("/")[0] for name in names} == {"spotring", "spotring-0.1.0.dist-info"}
+    for name in ["spotring/__init__.py", "spotring/trainer/__init__.py",
+                 "spotring/launch/wheel.py", "spotring/sweep/__init__.py",
+                 "spotring/benchmarks/__init__.py", "spotring/conf/config.yaml",
+                 "spotring/conf/cluster/local.yaml", "spotring/launch/node/setup.sh",
+                 "spotring/launch/aws/provider.py", "spotring/engines/ddp.py",
                  "spotring-0.1.0.dist-info/METADATA", "spotring-0.1.0.dist-info/WHEEL"]:
         assert name in names
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
     assert "spotring = spotring.cli:main" in entry_points
+    assert "trainer = spotring.trainer:COMMANDS" in entry_points
 
 
 @pytest.mark.slow
@@ -172,20 +176,22 @@ def test_spotring_from_a_pip_install(tmp_path):
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return proc.stdout
 
-    where = "import importlib.metadata as m, spotring, trainer, launch, conf; " \
-            "print(m.version('spotring'), spotring.__file__, trainer.__file__, conf.__file__)"
+    where = "import importlib.metadata as m, spotring, spotring.trainer, spotring.conf; " \
+            "print(m.version('spotring'), spotring.__file__, spotring.trainer.__file__, " \
+            "spotring.conf.__file__)"
     site = str(venv / "lib")
     for _ in ("setuptools' wheel", "launch/wheel.py's"):
         assert "predict" in run(str(venv / "bin" / "spotring"), "--help")
         version, *files = run(str(venv / "bin" / "python"), "-c", where).split()
         assert version == "0.1.0" and all(f.startswith(site) for f in files), files
         rebuilt = Path(run(str(venv / "bin" / "python"), "-c", "from pathlib import Path; "
-                           "from launch import wheel; print(wheel.build(Path('again')))")
+                           "from spotring.launch import wheel; print(wheel.build(Path('again')))")
                        .strip())
         here = wheel.build(tmp_path / "here")
         with zipfile.ZipFile(tmp_path / rebuilt) as there, zipfile.ZipFile(here) as ours:
             code = [n for n in there.namelist() if ".dist-info/" not in n]
-            assert "conf/config.yaml" in code and "launch/node/setup.sh" in code
+            assert "spotring/conf/config.yaml" in code
+            assert "spotring/launch/node/setup.sh" in code
             assert all(there.read(n) == ours.read(n) for n in code)
         run(sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
             "-q", "--no-deps", "--force-reinstall", str(here))

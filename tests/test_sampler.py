@@ -14,8 +14,8 @@ from spotring.exits import ConfigError
 from spotring.global_batch import split_global_batch
 from spotring.loader import DataLoader
 from spotring.sampler import GlobalBatchSampler, epoch_order
-from trainer.data import Batches
-from trainer.datasets import Dataset, Split
+from spotring.trainer.data import Batches
+from spotring.trainer.datasets import Dataset, Split
 
 N, G, SEED = 1000, 24, 7
 STEPS = N // G  # 41 global batches an epoch; the last 16 samples are dropped

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from spotring.lr import LRSchedule
+from spotring.trainer.schedule import lr_schedule
 from tests.conftest import compose_config
-from trainer.schedule import lr_schedule
 
 
 def schedule(*overrides: str, global_batch: int, steps_per_epoch: int) -> LRSchedule:

@@ -19,9 +19,9 @@ from typing import TypeVar
 import pytest
 import torch
 
-from launch import slurm as sbatch
-from launch.commands import local_environment
 from spotring.exits import EXIT_CONFIG
+from spotring.launch import slurm as sbatch
+from spotring.launch.commands import local_environment
 from spotring.polling import poll
 from tests import slurm, user_script
 from tests import test_examples as examples
@@ -53,7 +53,7 @@ def test_a_step_runs_on_each_node_under_its_own_name_and_address(cluster):
 def test_srun_across_two_nodes_takes_the_steps_of_torchrun(cluster, tmp_path, ddp_2x32):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        ["srun", "-N", "2", "--ntasks-per-node=1", sys.executable, "-m", "trainer",
+        ["srun", "-N", "2", "--ntasks-per-node=1", sys.executable, "-m", "spotring.trainer",
          f"hydra.run.dir={run_dir}", *QUICK, *PARITY, "train.batch_size=32"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
         env=local_environment(**cluster.env))
@@ -174,7 +174,7 @@ def ranks(run_dir: Path) -> dict[int, int]:
     for proc in Path("/proc").iterdir():
         try:
             argv = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
-            if b"trainer" in argv and f"hydra.run.dir={run_dir}".encode() in argv:
+            if b"spotring.trainer" in argv and f"hydra.run.dir={run_dir}".encode() in argv:
                 env = dict(v.split(b"=", 1) for v in (proc / "environ").read_bytes().split(b"\0")
                            if b"=" in v)
                 found[int(env[b"SLURM_PROCID"])] = int(proc.name)

@@ -17,8 +17,8 @@ import boto3
 import pytest
 import torch
 
-from launch.commands import local_command, local_environment
 from spotring.checkpoint import CheckpointNotSaved, Checkpoints, find_resume
+from spotring.launch.commands import local_command, local_environment
 from spotring.preemption import NOTICE_SECONDS
 from tests.conftest import QUICK, REPO, Run, assert_close, run_trainer
 from tests.imds import MetadataStub

@@ -24,12 +24,12 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from launch.commands import local_environment
-from launch.contract import RESTART, RUN_DIR, RUN_ID
 from spotring.exits import EXIT_CONFIG
-from sweep.__main__ import main as sweep_main
-from sweep.report import pareto_front
-from sweep.runner import PARAMS
+from spotring.launch.commands import local_environment
+from spotring.launch.contract import RESTART, RUN_DIR, RUN_ID
+from spotring.sweep.__main__ import main as sweep_main
+from spotring.sweep.report import pareto_front
+from spotring.sweep.runner import PARAMS
 from tests.conftest import REPO
 from tests.test_sweep_report import number, trials_table
 from tests.user_script import reference, write_project

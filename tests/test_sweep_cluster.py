@@ -17,7 +17,7 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from launch.rundir import RunDir
+from spotring.launch.rundir import RunDir
 from tests.conftest import REPO
 from tests.launcher import launcher, leftovers, netns_unavailable, processes
 

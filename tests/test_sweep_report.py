@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from sweep import report
-from sweep.report import TrialRow, pareto_front
+from spotring.sweep import report
+from spotring.sweep.report import TrialRow, pareto_front
 from tests.test_bench_report import PNG_SIGNATURE, sections
 
 # ------------------------------------------------------------------------- Pareto front
@@ -192,10 +192,11 @@ def test_extra_objective_gets_a_column_and_maximized_x(tmp_path):
 
 
 def test_nothing_complete_and_no_matplotlib(tmp_path, monkeypatch):
-    import benchmarks
+    import spotring.benchmarks
 
-    monkeypatch.delattr(benchmarks, "plots", raising=False)
-    monkeypatch.setitem(sys.modules, "benchmarks.plots", None)  # as if matplotlib were absent
+    monkeypatch.delattr(spotring.benchmarks, "plots", raising=False)
+    # As if matplotlib were absent.
+    monkeypatch.setitem(sys.modules, "spotring.benchmarks.plots", None)
     rows = [row(0, "running"), row(1, "failed", note="exit 1 after 2 retries")]
     md = report.write(tmp_path, "s", {"test_accuracy": "maximize"}, rows, [], None,
                       "spotring sweep").read_text()

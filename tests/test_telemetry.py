@@ -9,9 +9,9 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from spotring.telemetry import Progress, Telemetry
+from spotring.trainer.models import build_model
+from spotring.trainer.schedule import lr_schedule
 from tests.conftest import compose_config
-from trainer.models import build_model
-from trainer.schedule import lr_schedule
 
 # 640 synthetic samples, 2 workers x 32: 10 steps per epoch, 2 epochs.
 SMALL = ["dataset=synthetic", "dataset.shape=[1,28,28]", "dataset.train_size=640",

@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
-from benchmarks import reference_loop
-from benchmarks.time_to_accuracy import (
+from spotring.benchmarks import reference_loop
+from spotring.benchmarks.time_to_accuracy import (
     REFERENCE,
     Configuration,
     eval_interval,
@@ -158,7 +158,7 @@ def test_the_reference_loop_s_clock_leaves_evaluation_out(monkeypatch):
 
 
 def test_the_reference_loop_prints_one_json_line():
-    out = subprocess.run([sys.executable, "-m", "benchmarks.reference_loop", "--seed", "1",
+    out = subprocess.run([sys.executable, "-m", "spotring.benchmarks.reference_loop", "--seed", "1",
                           "--eval-every", "2", "--max-steps", "3"], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -173,7 +173,8 @@ def test_the_reference_loop_prints_one_json_line():
 
 
 def test_bad_reference_loop_input_exits_2():
-    out = subprocess.run([sys.executable, "-m", "benchmarks.reference_loop", "--threads", "0"],
+    out = subprocess.run([sys.executable, "-m", "spotring.benchmarks.reference_loop",
+                          "--threads", "0"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--threads" in out.stderr
 

@@ -1,20 +1,20 @@
-"""python -m trainer: synchronous data-parallel training, configured by Hydra.
+"""python -m spotring.trainer: synchronous data-parallel training, configured by Hydra.
 
 One machine, the default (MNIST, 2 workers on CPU or one per GPU):
 
     make train
-    torchrun --standalone --nproc-per-node 2 -m trainer
+    torchrun --standalone --nproc-per-node 2 -m spotring.trainer
 
-Other datasets, models, engines; anything in `python -m trainer --cfg job`:
+Other datasets, models, engines; anything in `python -m spotring.trainer --cfg job`:
 
-    torchrun --nproc-per-node 4 -m trainer dataset=cifar10 model=resnet20 train.epochs=30
-    horovodrun -np 2 -H localhost:2 python -m trainer engine=horovod
-    mpirun -np 2 python -m trainer engine=ddp            # or engine=horovod
+    torchrun --nproc-per-node 4 -m spotring.trainer dataset=cifar10 model=resnet20 train.epochs=30
+    horovodrun -np 2 -H localhost:2 python -m spotring.trainer engine=horovod
+    mpirun -np 2 python -m spotring.trainer engine=ddp            # or engine=horovod
 
 Several machines (every host has this repository and its .venv at the same path):
 
-    horovodrun -np 16 -H a:8,b:8 python -m trainer engine=horovod
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint a:29500 -m trainer
+    horovodrun -np 16 -H a:8,b:8 python -m spotring.trainer engine=horovod
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint a:29500 -m spotring.trainer
     make launch NODES=8                                   # EC2 spot instances
 
 Resume: run the same command with the same run directory (resume=auto is the
@@ -35,10 +35,10 @@ from omegaconf import DictConfig
 
 from spotring import runtime
 from spotring.exits import EXIT_CONFIG, ConfigError
-from trainer import config, job
+from spotring.trainer import config, job
 
 
-@hydra.main(version_base="1.3", config_path="pkg://conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="pkg://spotring.conf", config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
     sys.exit(job.run(cfg))
 
@@ -79,12 +79,35 @@ def check_overrides(argv: list[str]) -> None:
             check([*fixed, f"{sweep.get_key_element()}={value}"])
 
 
-def main() -> None:
+def check(args: list[str], world_sizes: list[int]) -> None:
+    """What a launcher asks before it starts `spotring train ARGS` (spotring.cli.Command):
+    the overrides compose and validate, and the run's global batch splits over every
+    one of ``world_sizes`` (a run that comes back on fewer workers keeps it). Raises
+    ConfigError naming the problem."""
+    check_overrides(args)
+    if world_sizes:
+        config.check_world_sizes(config.compose(args), world_sizes)
+
+
+def pin(args: list[str], world_size: int) -> list[str]:
+    """``args`` with the global batch they make on ``world_size`` workers written out
+    (train.global_batch), unless they give one: on any other number of workers the run
+    then takes the same samples in the same steps (spotring.cli.Command)."""
+    cfg = config.compose(args)
+    if cfg.train.global_batch is not None:
+        return list(args)
+    return [*args, f"train.global_batch={config.global_batch(cfg, world_size)}"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`spotring train ARGS` (``argv``), or `python -m spotring.trainer ARGS`."""
+    if argv is not None:  # Hydra reads the command line itself
+        sys.argv = [f"{sys.argv[0]} train", *argv]
     try:
         check_overrides(sys.argv[1:])
     except ConfigError as e:
         job.report_bad_input(e, runtime.detect())
-        sys.exit(EXIT_CONFIG)
+        return EXIT_CONFIG
     rank = runtime.env_rank()
     if rank > 0:
         # Only rank 0 keeps a run directory and a log file; the others must not write
@@ -98,7 +121,8 @@ def main() -> None:
             sys.argv.append("hydra.run.dir=.")
     config.register()
     _hydra_main()
+    return 0  # not reached: the task exits with the job's code
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -25,9 +25,10 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from spotring.exits import ConfigError
+from spotring.global_batch import split_global_batch
 
-# conf/ is a package of its own, so that it ships in the wheel (pkg://conf for Hydra).
-CONF_MODULE = "conf"
+# conf/ is a package of its own, so that it ships in the wheel (pkg://spotring.conf for Hydra).
+CONF_MODULE = "spotring.conf"
 
 # ----------------------------------------------------------------------------- choices
 
@@ -299,7 +300,7 @@ def register() -> None:
 
 
 def compose(overrides: list[str]) -> DictConfig:
-    """The config `python -m trainer OVERRIDES` runs with, for tools that need its values
+    """The config `python -m spotring.trainer OVERRIDES` runs with, for tools that need its values
     (tests, the launcher). Overrides of Hydra itself (hydra.*) are left out, and
     ${hydra:...} values stay unresolved: there is no run directory."""
     register()
@@ -609,4 +610,16 @@ def describe(value: Any) -> str:
 
 
 def global_batch(cfg: DictConfig, world_size: int) -> int:
+    """The samples of one optimizer step on ``world_size`` workers: train.global_batch,
+    else train.batch_size x workers x train.accumulation."""
+    if cfg.train.global_batch is not None:
+        return cfg.train.global_batch
     return cfg.train.batch_size * world_size * cfg.train.accumulation
+
+
+def check_world_sizes(cfg: DictConfig, world_sizes: list[int]) -> None:
+    """Refuse world sizes that cannot share the run's global batch (that of the largest,
+    where train.global_batch is not given), naming those that can."""
+    batch = global_batch(cfg, max(world_sizes))
+    for world_size in world_sizes:
+        split_global_batch(batch, world_size, cfg.train.batch_size)

@@ -34,7 +34,7 @@ import torch.utils.data
 
 from spotring.loader import DataLoader
 from spotring.sampler import _generator, micro_batches, steps_in_epoch
-from trainer.datasets import Dataset, MapDataset, Split
+from spotring.trainer.datasets import Dataset, MapDataset, Split
 
 PAD = 4  # pixels of zero padding for the random crop
 

@@ -27,10 +27,10 @@ from spotring.checkpoint import Checkpoint, Checkpoints, check_compatible, find_
 from spotring.exits import EXIT_CONFIG, EXIT_OK, ConfigError
 from spotring.global_batch import split_global_batch
 from spotring.job import Job
-from trainer import datasets
-from trainer.config import global_batch, validate
-from trainer.loop import Trainer
-from trainer.models import build_model
+from spotring.trainer import datasets
+from spotring.trainer.config import global_batch, validate
+from spotring.trainer.loop import Trainer
+from spotring.trainer.models import build_model
 
 log = logging.getLogger("trainer")
 

@@ -40,11 +40,11 @@ from omegaconf import DictConfig, OmegaConf
 from spotring.exits import Diverged
 from spotring.job import Job
 from spotring.telemetry import Telemetry, epoch_number
-from trainer.config import DType, global_batch
-from trainer.data import Batch, Batches, LoaderBatches
-from trainer.datasets import Dataset, MapDataset
-from trainer.models import l1_penalty
-from trainer.schedule import build_optimizer, lr_schedule
+from spotring.trainer.config import DType, global_batch
+from spotring.trainer.data import Batch, Batches, LoaderBatches
+from spotring.trainer.datasets import Dataset, MapDataset
+from spotring.trainer.models import l1_penalty
+from spotring.trainer.schedule import build_optimizer, lr_schedule
 
 log = logging.getLogger(__name__)
 

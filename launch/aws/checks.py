@@ -20,9 +20,9 @@ from botocore.exceptions import (
 )
 from omegaconf import DictConfig
 
-from launch.aws.clients import client
-from launch.config import ssh_cidr_problem
 from spotring.exits import ConfigError
+from spotring.launch.aws.clients import client
+from spotring.launch.config import ssh_cidr_problem
 
 # Error codes of a throttled call (AWS's services name it differently).
 THROTTLING = {"Throttling", "ThrottlingException", "RequestLimitExceeded",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from botocore.exceptions import ClientError
 
-from launch.aws.tags import Tags
+from spotring.launch.aws.tags import Tags
 
 # What AWS answers when it has no room for the request right now. "Unsupported": the
 # type is not offered in that zone, which another zone may still be.

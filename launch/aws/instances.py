@@ -12,7 +12,7 @@ import ipaddress
 
 from botocore.exceptions import ClientError
 
-from launch.provider import Node
+from spotring.launch.provider import Node
 from spotring.polling import poll
 
 GONE = {"shutting-down", "terminated", "stopping", "stopped"}

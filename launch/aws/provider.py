@@ -17,11 +17,11 @@ from functools import cached_property
 
 from omegaconf import DictConfig
 
-from launch.aws import checks, clients, fleet, instances, resources, tags, user_data
-from launch.aws.prices import spot_prices
-from launch.down import down_after
-from launch.provider import NoCapacity, Node, Provider
-from launch.rundir import RunDir
+from spotring.launch.aws import checks, clients, fleet, instances, resources, tags, user_data
+from spotring.launch.aws.prices import spot_prices
+from spotring.launch.down import down_after
+from spotring.launch.provider import NoCapacity, Node, Provider
+from spotring.launch.rundir import RunDir
 
 log = logging.getLogger("launch")
 

@@ -23,9 +23,9 @@ from functools import partial
 from botocore.exceptions import BotoCoreError, ClientError
 from botocore.parsers import ResponseParserError
 
-from launch.aws import tags as tagging
-from launch.aws.tags import Tags
-from launch.provider import Teardown
+from spotring.launch.aws import tags as tagging
+from spotring.launch.aws.tags import Tags
+from spotring.launch.provider import Teardown
 from spotring.polling import poll
 
 

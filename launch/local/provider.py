@@ -15,11 +15,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from launch.down import down_after
-from launch.local import netns, sshd
-from launch.provider import Node, Provider, Teardown
-from launch.rundir import RunDir
 from spotring.exits import ConfigError
+from spotring.launch.down import down_after
+from spotring.launch.local import netns, sshd
+from spotring.launch.provider import Node, Provider, Teardown
+from spotring.launch.rundir import RunDir
 
 FIRST_HOST = 10  # node i is .10+i of the run's /24; .1 is this machine's bridge
 

@@ -18,8 +18,8 @@ import pwd
 import subprocess
 from pathlib import Path
 
-from launch.local import netns
-from launch.ssh import new_key
+from spotring.launch.local import netns
+from spotring.launch.ssh import new_key
 from spotring.polling import poll
 
 SSHD = Path("/usr/sbin/sshd")

@@ -63,6 +63,7 @@ from pathlib import Path
 
 import torch
 
+from spotring import checkpoint
 from spotring.benchmarks import gpu_bundle, machine
 from spotring.benchmarks.allreduce import KIB, bandwidth, size_label, sizes
 from spotring.benchmarks.runs import (
@@ -198,8 +199,7 @@ def torchrun(nproc: int, args: list[str], module: str = "spotring.trainer") -> l
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     """The model of a trainer run's newest checkpoint."""
-    newest = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))[-1]
-    return torch.load(newest, map_location="cpu", weights_only=True)["model"]
+    return checkpoint.newest_valid(run_dir / "checkpoints").load()["model"]
 
 
 def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -37,6 +37,7 @@ import sys
 import time
 from pathlib import Path
 
+from spotring import checkpoint
 from spotring.benchmarks import record
 from spotring.benchmarks.report import header, spread, table
 from spotring.benchmarks.runs import REPO, shown, trainer_records
@@ -127,7 +128,7 @@ def stop_once(args: argparse.Namespace, run_dir: Path, env: dict[str, str],
         raise RuntimeError(f"{shown(command)} exited {code} after SIGTERM, not "
                            f"{EXIT_PREEMPTED}; see {run_dir}/output.log")
     note = json.loads((run_dir / PREEMPTED).read_text())
-    key = f"{run_dir.name}/ckpt-{note['step']:09d}.pt"
+    key = f"{run_dir.name}/{checkpoint.payload_name(note['step'])}"
     on_s3 = client.head_object(Bucket=BUCKET, Key=key)["ContentLength"]
     if on_s3 != note["upload_bytes"]:
         raise RuntimeError(f"s3://{BUCKET}/{key}: {on_s3} bytes, preempted.json says "

@@ -15,10 +15,10 @@ import hydra
 from omegaconf import DictConfig
 
 from spotring import exits
-from spotring.trainer import config, job
+from spotring.trainer import compose, config, job
 
 
-@hydra.main(version_base="1.3", config_path=f"pkg://{config.CONF_MODULE}",
+@hydra.main(version_base="1.3", config_path=f"pkg://{compose.CONF_MODULE}",
             config_name="config")
 def _one_point(cfg: DictConfig) -> None:
     code = job.run(cfg)

@@ -20,8 +20,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, DictConfig, OmegaConf
 
 from spotring.exits import ConfigError
+from spotring.options import one_of
 from spotring.trainer import config as trainer_config
-from spotring.trainer.config import compose_checked, one_of
+from spotring.trainer.compose import compose_checked
 
 CLUSTERS = ("aws_spot", "local")
 LAUNCHERS = ("horovodrun", "mpirun", "torchrun", "none")

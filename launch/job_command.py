@@ -25,9 +25,9 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from spotring.contract import RUN_DIR
 from spotring.exits import DIVERGED, EXIT_DIVERGED, EXIT_PREEMPTED, PREEMPTED
 from spotring.launch.commands import LAUNCHER_ENV
-from spotring.launch.contract import RUN_DIR
 from spotring.launch.provider import Node
 
 ENGINES = {"horovodrun": "horovod", "mpirun": "horovod", "torchrun": "ddp", "none": "ddp"}

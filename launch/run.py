@@ -28,8 +28,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from spotring import contract
 from spotring.exits import ConfigError, Outcome, classify
-from spotring.launch import contract, job_command, node_env, project, sync, wheel
+from spotring.launch import job_command, node_env, project, sync, wheel
 from spotring.launch.provider import Node, Provider
 from spotring.launch.rundir import RunDir
 from spotring.launch.ssh import RemoteError, Ssh

@@ -76,13 +76,16 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
+from spotring import contract
 from spotring.exits import CODES, EXIT_CONFIG, EXIT_FAILED, EXIT_PREEMPTED, ConfigError
 from spotring.global_batch import split_global_batch
-from spotring.launch import contract, project
+from spotring.launch import project
 from spotring.launch.commands import AS_ROOT, LAUNCHER_ENV
 from spotring.launch.console import split_trainer_args
+from spotring.launch.contract import split_command
+from spotring.options import one_of
 from spotring.trainer import config as trainer_config
-from spotring.trainer.config import compose_checked, one_of
+from spotring.trainer.compose import compose_checked
 
 # The warnings the trainer takes as a spot notice; --signal sends one to every task.
 SIGNALS = ("TERM", "USR1")
@@ -362,7 +365,7 @@ def submit(text: str, run_dir: Path, dry_run: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     ours, words = split_trainer_args(argv)
-    trainer_args, command = contract.split_command(words)
+    trainer_args, command = split_command(words)
     parser = argparse.ArgumentParser(prog="spotring sbatch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true",

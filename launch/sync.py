@@ -20,6 +20,7 @@ import tarfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from spotring import checkpoint
 from spotring.launch.provider import Node
 from spotring.launch.rundir import RunDir
 from spotring.launch.ssh import RemoteError, Ssh, on_each
@@ -65,10 +66,14 @@ def fetch(ssh: Ssh, node: Node, workdir: str, results: str, dest: Path) -> list[
     if the job wrote nothing, e.g. it stopped on bad input). Streamed: a checkpoint can
     be large."""
     src = shlex.quote(f"{workdir}/{results}")
-    if ssh.run(node, f"test -d {src}", check=False).returncode != 0:
+    listed = ssh.run(node, f"cd {src} && {{ ls -1 checkpoints 2>/dev/null || true; }}",
+                     check=False)
+    if listed.returncode != 0:  # no such directory: the job wrote nothing
         return []
-    command = (f"cd {src} && last=$(ls checkpoints/ckpt-*.json 2>/dev/null | tail -n 1); "
-               'tar -czf - --exclude=./checkpoints . ${last:+"$last" "${last%.json}.pt"}')
+    newest = checkpoint.manifests(listed.stdout.decode().split())[:1]
+    files = [f"checkpoints/{name}" for manifest in newest for name in checkpoint.files_of(manifest)]
+    command = (f"cd {src} && tar -czf - --exclude=./checkpoints . "
+               + " ".join(map(shlex.quote, files)))
     dest.mkdir(parents=True, exist_ok=True)
     names = []
     with ssh.popen(node, command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:

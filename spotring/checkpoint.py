@@ -2,10 +2,14 @@
 
 A checkpoint is two objects, in checkpoint.dir and (with checkpoint.uri) in S3:
 
-    ckpt-000001200.pt    torch.save of model, optimizer, schedule step, data position
-                         (epoch, sample offset), every rank's RNG state and the config
-    ckpt-000001200.json  its manifest: sha256 and size of the .pt, step, epoch, model,
-                         dataset, world size and global batch
+    ckpt-000001200.pt    torch.save of the tracked state (model, optimizer, data
+                         position...), every rank's RNG state and the gradient scaler
+    ckpt-000001200.json  its manifest: the format number, sha256 and size of the .pt,
+                         step, epoch, world size, global batch and the job's annotations
+
+This module is the one place that knows those names: whoever else looks for checkpoints
+(the launcher bringing a run's newest back, a sweep, the benchmarks) asks it
+(``manifests``, ``files_of``, ``payload_name``, ``newest_valid``).
 
 Each store makes each object complete-or-invisible (stores.py), and the .pt is
 written before its manifest: a checkpoint without a manifest does not exist for a
@@ -16,6 +20,9 @@ every store. Before a checkpoint is used its bytes are checked against the manif
 because torch.load accepts a file with flipped bytes and returns wrong weights; a
 truncated or corrupt one is reported and skipped, and the next older one is tried.
 resume=auto takes the newest valid checkpoint of all stores.
+
+A manifest of a newer format than FORMAT is refused (ConfigError, exit 2): this spotring
+cannot know what it holds, and skipping it would resume from an older checkpoint.
 """
 
 from __future__ import annotations
@@ -26,19 +33,45 @@ import json
 import logging
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from spotring.exits import ConfigError
 from spotring.stores import DirectoryStore, S3Store
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 1  # of the manifest and the .pt; a reader refuses a newer one
 _MANIFEST = re.compile(r"^ckpt-(\d{9})\.json$")
+_PAYLOAD, _PREFIX = "ckpt-{step:09d}.pt", "ckpt-"
+
+
+def payload_name(step: int) -> str:
+    """The name of step ``step``'s checkpoint file (the .pt), in any store."""
+    return _PAYLOAD.format(step=step)
+
+
+def manifest_name(step: int) -> str:
+    """The name of step ``step``'s manifest, whose presence makes the checkpoint exist."""
+    return _manifest_name(payload_name(step))
+
+
+def manifests(names: Iterable[str]) -> list[str]:
+    """The manifests among a store's (or a directory's) ``names``, newest first."""
+    return sorted((n for n in names if _MANIFEST.match(n)), reverse=True)
+
+
+def files_of(manifest: str) -> tuple[str, str]:
+    """(manifest, .pt): the two objects of the checkpoint a manifest names."""
+    return manifest, manifest.removesuffix(".json") + ".pt"
+
+
+def newest_valid(directory: str | Path, uri: str | None = None) -> Checkpoint | None:
+    """The newest checkpoint of ``directory`` (and of S3 ``uri``) whose bytes match its
+    manifest, verified, not yet loaded; None where there is none."""
+    return Checkpoints(directory, keep=1, uri=uri).newest_valid()
 
 Store = DirectoryStore | S3Store
 
@@ -52,8 +85,24 @@ class Checkpoint:
     payload: bytes
 
     def load(self) -> dict[str, Any]:
+        import torch  # here, not at the top: launchers read the layout without torch
+
         # weights_only: a checkpoint holds tensors and plain containers, nothing to execute.
         return torch.load(io.BytesIO(self.payload), map_location="cpu", weights_only=True)
+
+    def check_matches(self, annotations: dict[str, Any]) -> None:
+        """Refuse (ConfigError) a checkpoint whose manifest gives any of ``annotations``
+        (Job.annotate's fields: what the run trains) another value; a field the manifest
+        lacks (a bare .pt, an older run) is not checked."""
+        differ = {key: (self.manifest[key], value) for key, value in annotations.items()
+                  if key in self.manifest and self.manifest[key] != value}
+        if differ:
+            lines = "; ".join(f"{key}: {theirs} there, {ours} here"
+                              for key, (theirs, ours) in differ.items())
+            raise ConfigError(
+                f"checkpoint {self.location} was written for another run ({lines}). Use the "
+                "settings it was trained with, resume=never with another checkpoint "
+                "directory, or another checkpoint.")
 
 
 class CorruptCheckpoint(Exception):
@@ -107,7 +156,7 @@ class Checkpoints:
     def manifests(self) -> list[tuple[str, Store]]:
         """(manifest name, store), newest (highest step) first; local before S3."""
         found = [(name, i, store) for i, store in enumerate(self.stores)
-                 for name in store.names() if _MANIFEST.match(name)]
+                 for name in manifests(store.names())]
         found.sort(key=lambda f: (f[0], -f[1]), reverse=True)
         return [(name, store) for name, _, store in found]
 
@@ -118,8 +167,10 @@ class Checkpoints:
         was written (a .pt stored short gets no manifest), and whatever a store raises;
         either way the checkpoints before are all kept."""
         started = time.perf_counter()
-        blob = f"ckpt-{meta['step']:09d}.pt"
+        blob = payload_name(meta["step"])
         buffer = io.BytesIO()
+        import torch
+
         torch.save(state, buffer)
         payload = buffer.getvalue()
         manifest = json.dumps({
@@ -141,11 +192,10 @@ class Checkpoints:
         return Saved(self.local.location(blob), len(payload), serialised, seconds, done_at)
 
     def _drop_old(self, store: Store) -> None:
-        kept = sorted((n for n in store.names() if _MANIFEST.match(n)), reverse=True)
-        kept = kept[: self.keep]
-        keep = set(kept) | {n.replace(".json", ".pt") for n in kept}
+        keep = {name for manifest in manifests(store.names())[: self.keep]
+                for name in files_of(manifest)}
         for name in store.names():
-            if name.startswith("ckpt-") and name not in keep:
+            if name.startswith(_PREFIX) and name not in keep:
                 store.delete(name)
 
     def verify(self, manifest_name: str, store: Store) -> Checkpoint:
@@ -153,8 +203,11 @@ class Checkpoints:
         where = store.location(manifest_name)
         try:
             manifest = json.loads(store.read(manifest_name))
+            _check_format(manifest, where)
             blob = manifest["file"]
             payload = store.read(blob)
+        except ConfigError:
+            raise
         except Exception as e:  # missing object, bad JSON, S3 errors: all mean unusable
             raise CorruptCheckpoint(f"{where}: unreadable ({e})") from e
         location = store.location(blob)
@@ -172,6 +225,16 @@ class Checkpoints:
             except CorruptCheckpoint as e:
                 log.warning("skipping checkpoint: %s", e)
         return None
+
+
+def _check_format(manifest: dict[str, Any], where: str) -> None:
+    written = manifest.get("format")
+    if isinstance(written, int) and written > FORMAT:
+        raise ConfigError(
+            f"checkpoint {where} is in checkpoint format {written}, written by a newer "
+            f"spotring; this spotring reads format {FORMAT} and older. Upgrade spotring "
+            "(pip install -U spotring) to resume from it, or start anew with resume=never "
+            "and another checkpoint directory.")
 
 
 def _manifest_name(blob: str) -> str:
@@ -217,18 +280,3 @@ def find_resume(resume: str, checkpoints: Checkpoints) -> Checkpoint | None:
     # A bare .pt (copied without its manifest): usable, but nothing to verify it against.
     log.warning("resume=%s has no manifest beside it; its contents cannot be verified", path)
     return Checkpoint(str(path), {"file": path.name}, path.read_bytes())
-
-
-def check_compatible(found: Checkpoint, model_cfg: dict[str, Any], dataset: str) -> None:
-    """Refuse a checkpoint of another network or dataset before anything starts."""
-    manifest = found.manifest
-    if "model" not in manifest:
-        return  # a bare file: the state dict load will say what does not fit
-    theirs = {k: v for k, v in manifest["model"].items() if k != "l1"}
-    ours = {k: v for k, v in model_cfg.items() if k != "l1"}
-    if theirs != ours or manifest.get("dataset") != dataset:
-        raise ConfigError(
-            f"checkpoint {found.location} was written for model {theirs} on dataset "
-            f"{manifest.get('dataset')}, but this run has model {ours} on dataset {dataset}. "
-            "Use the model it was trained with, resume=never with another checkpoint.dir, "
-            "or another checkpoint.")

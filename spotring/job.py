@@ -54,7 +54,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from spotring import engines, runtime
+from spotring import contract, engines, runtime
 from spotring.checkpoint import Checkpoint, Checkpoints, Saved, find_resume
 from spotring.exits import (
     DIVERGED,
@@ -110,10 +110,10 @@ def init(*, engine: str = "ddp", backend: str = "auto", device: str = "auto",
             raise ConfigError(f"check_every_steps={check_every_steps}: must be 1 or more")
         torch_device = runtime.pick_device(device, launch.local_rank)
         engines.check(options, launch, torch_device)
-        run_dir = Path(run_dir or os.environ.get("SPOTRING_RUN_DIR")
+        run_dir = Path(run_dir or contract.run_dir()
                        or Path("runs") / Path(sys.argv[0]).stem).absolute()
         checkpoints = Checkpoints(checkpoint_dir or run_dir / "checkpoints", keep,
-                                  checkpoint_uri or os.environ.get("SPOTRING_CHECKPOINT_URI"))
+                                  checkpoint_uri or contract.checkpoint_uri())
         if checkpoints.remote is not None and launch.rank == 0:
             checkpoints.remote.check_access()
     except ConfigError as e:
@@ -301,7 +301,8 @@ class Job:
 
     def annotate(self, **fields: Any) -> None:
         """Fields every checkpoint's manifest carries from now on (JSON values: what the
-        run trains, for whoever resumes it to check)."""
+        run trains). ``restore`` refuses a checkpoint whose manifest gives one of them
+        another value (ConfigError, exit 2): annotate before you restore."""
         self._annotations.update(fields)
 
     @property
@@ -353,6 +354,8 @@ class Job:
         if self.is_main:
             checkpoint = (find_resume(source, self.checkpoints) if isinstance(source, str)
                           else source)
+            if checkpoint is not None:
+                checkpoint.check_matches(self._annotations)
             found = None if checkpoint is None else checkpoint.load() | {
                 "source": checkpoint.location}
         found = self.engine.broadcast_object(found)

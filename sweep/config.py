@@ -39,8 +39,9 @@ from omegaconf import MISSING, DictConfig
 from spotring.exits import ConfigError
 from spotring.launch import project
 from spotring.launch.contract import split_command
+from spotring.options import choices, one_of
 from spotring.trainer import config as trainer_config
-from spotring.trainer.config import choices, compose_checked, one_of
+from spotring.trainer.compose import compose_checked
 
 SamplerName = choices("SamplerName", "auto grid random tpe nsga2")
 PrunerName = choices("PrunerName", "none median hyperband")

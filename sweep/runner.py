@@ -50,8 +50,8 @@ import optuna
 from omegaconf import OmegaConf
 from optuna.trial import TrialState
 
+from spotring import checkpoint, contract
 from spotring.exits import DIVERGED, Outcome, classify
-from spotring.launch import contract
 from spotring.launch.job_command import NOTES
 from spotring.stores import write_atomic
 from spotring.sweep import report
@@ -170,7 +170,7 @@ class Runner:
                                              reported=set(frozen.intermediate_values))
         retry = frozen.user_attrs.get("retries", 0)
         log.info("sweep: trial %d %s on %s: %s%s", trial.number,
-                 "resumes" if any(trial_dir.glob("checkpoints/ckpt-*.json")) else "starts",
+                 "resumes" if _has_checkpoint(trial_dir) else "starts",
                  slot.label,
                  params,
                  f" (retry {retry} of {self.plan.cfg.sweep.max_retries})" if retry else "")
@@ -324,6 +324,13 @@ def _is_group(key: str) -> bool:
     from importlib.resources import files
 
     return "." not in key and files("spotring.conf").joinpath(key).is_dir()
+
+
+def _has_checkpoint(trial_dir: Path) -> bool:
+    """Whether the trial's run directory holds a checkpoint its next attempt resumes from
+    (one here; a trial on a cluster keeps its own on its node or in S3)."""
+    folder = trial_dir / "checkpoints"
+    return folder.is_dir() and bool(checkpoint.manifests(p.name for p in folder.iterdir()))
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -45,10 +45,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from spotring.contract import RUN_DIR
 from spotring.exits import ConfigError
 from spotring.launch import hostfile, job_command, project, sync
 from spotring.launch.commands import local_command, local_environment
-from spotring.launch.contract import RUN_DIR
 from spotring.launch.provider import Node
 from spotring.launch.rundir import RunDir
 from spotring.launch.ssh import RemoteError, Ssh, on_each

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from spotring.checkpoint import Checkpoints, CorruptCheckpoint, check_compatible, find_resume
+from spotring.checkpoint import Checkpoints, CorruptCheckpoint, find_resume
 from spotring.exits import ConfigError
 from tests.conftest import REPO, assert_close
 
@@ -114,14 +114,24 @@ def test_resume_never_refuses_to_mix_with_existing_checkpoints(tmp_path):
         find_resume("never", checkpoints)
 
 
-def test_a_checkpoint_of_another_model_is_refused_with_both_named(tmp_path):
+def test_a_checkpoint_of_another_run_is_refused_with_both_named(tmp_path):
     checkpoints = Checkpoints(tmp_path, keep=3)
-    save(checkpoints, 10, model={"name": "lenet", "l1": 0.0})
+    save(checkpoints, 10, model={"name": "lenet"})
     found = find_resume("auto", checkpoints)
     with pytest.raises(ConfigError) as e:
-        check_compatible(found, MODEL, "mnist")
+        found.check_matches({"model": MODEL, "dataset": "mnist"})
     assert "lenet" in str(e.value) and "convnet" in str(e.value)
-    check_compatible(found, {"name": "lenet", "l1": 1e-5}, "mnist")  # l1 is not the model
+    found.check_matches({"model": {"name": "lenet"}, "dataset": "mnist", "other": 1})
+
+
+def test_the_trainer_checks_the_network_not_its_l1_penalty():
+    from spotring.trainer.loop import annotations
+    from tests.conftest import compose_config
+
+    plain, penalised = (annotations(compose_config("model=lenet", *more))
+                        for more in ([], ["model.l1=1e-5"]))
+    assert plain == penalised and plain["dataset"] == "mnist"
+    assert annotations(compose_config("model=convnet"))["model"] != plain["model"]
 
 
 # ------------------------------------------------------------------ resume, end to end
@@ -139,6 +149,15 @@ def test_resume_mid_epoch_ends_with_the_parameters_of_an_uninterrupted_run(train
     first = train("parts", *STEPS, "train.max_steps=40", "checkpoint.every_steps=15")
     assert [p.name for p in first.checkpoints()] == [
         "ckpt-000000030.pt", "ckpt-000000031.pt", "ckpt-000000040.pt"]  # every 15, epoch, end
+    # A newer spotring's checkpoint format is refused, naming both, before training.
+    manifest = first.dir / "checkpoints" / "ckpt-000000040.json"
+    written = manifest.read_text()
+    manifest.write_text(json.dumps(json.loads(written) | {"format": 2}))
+    newer = train("parts", *STEPS, "train.max_steps=70", expect=2)
+    assert "ckpt-000000040.json is in checkpoint format 2, written by a newer spotring; " \
+           "this spotring reads format 1 and older" in newer.output
+    assert "Traceback" not in newer.output
+    manifest.write_text(written)
     second = train("parts", *STEPS, "train.max_steps=70")
     assert "resumed at step 40 (epoch 2, sample 576 of its order)" in second.output
     # metrics.jsonl numbers that epoch as the log does (steps 32 to 62 are epoch 2).

@@ -104,7 +104,8 @@ def test_down_all_mine_takes_only_the_local_clusters_own_links():
 
 def test_the_launcher_starts_without_importing_torch():
     # torch takes seconds to import; `python -m spotring.launch status` should not wait for it.
-    code = ("import sys, launch.__main__, launch.aws.provider, launch.local.provider; "
+    code = ("import sys, spotring.launch.__main__, spotring.launch.aws.provider, "
+            "spotring.launch.local.provider; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'horovod')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                          text=True, check=True).stdout

@@ -139,3 +139,30 @@ def test_an_import_by_name_counts():
     tree = ast.parse("import importlib\nimportlib.import_module('spotring.sweep.runner')\n")
     assert [n.args[0].value for n in ast.walk(tree) if _imports_by_name(n)] == [
         "spotring.sweep.runner"]
+
+
+CHECKPOINT_LAYOUT = "spotring.checkpoint"
+
+
+def _strings_in_code(tree: ast.AST) -> Iterator[ast.Constant]:
+    """The string constants of ``tree`` that are not docstrings (f-string parts too)."""
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef
+                                | ast.AsyncFunctionDef)
+                  and node.body and isinstance(node.body[0], ast.Expr)
+                  and isinstance(node.body[0].value, ast.Constant)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and id(node) not in docstrings:
+            yield node
+
+
+def test_only_the_checkpoint_module_spells_the_checkpoint_layout():
+    """Whoever reads checkpoints outside spotring.checkpoint asks it for their names
+    (manifests, files_of, payload_name, newest_valid) instead of typing them again."""
+    retyped = [f"{path.relative_to(REPO)}:{node.lineno}: {node.value!r}"
+               for name, path in modules().items() if name != CHECKPOINT_LAYOUT
+               for node in _strings_in_code(ast.parse(path.read_text()))
+               if "ckpt-" in node.value]
+    assert not retyped, "the checkpoint layout typed outside spotring.checkpoint:\n" + \
+        "\n".join(retyped)

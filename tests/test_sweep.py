@@ -24,9 +24,9 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
+from spotring.contract import RESTART, RUN_DIR, RUN_ID
 from spotring.exits import EXIT_CONFIG
 from spotring.launch.commands import local_environment
-from spotring.launch.contract import RESTART, RUN_DIR, RUN_ID
 from spotring.sweep.__main__ import main as sweep_main
 from spotring.sweep.report import pareto_front
 from spotring.sweep.runner import PARAMS

@@ -11,43 +11,22 @@ job with one clear paragraph instead of a hang or a traceback on N machines.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass, field
-from enum import Enum
 from functools import cache
 from typing import Any
 
-from hydra import compose as hydra_compose
-from hydra import initialize_config_module
 from hydra.core.config_store import ConfigStore
-from hydra.errors import HydraException
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from spotring.exits import ConfigError
 from spotring.global_batch import split_global_batch
+from spotring.options import choices, one_of
+from spotring.trainer.compose import compose_checked
 
 # conf/ is a package of its own, so that it ships in the wheel (pkg://spotring.conf for Hydra).
 CONF_MODULE = "spotring.conf"
 
 # ----------------------------------------------------------------------------- choices
-
-
-class Choice(str, Enum):
-    """One of a field's fixed values: a field of such a type takes no other, OmegaConf
-    refuses any other as the config is composed, naming the valid ones. Each is named as
-    it reads, and prints, formats, compares and hashes as that string (enum.StrEnum does
-    this from Python 3.11 on)."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-
-def choices(name: str, values: str) -> type[Choice]:
-    return Choice(name, [(value, value) for value in values.split()])
 
 
 DatasetName = choices("DatasetName", "mnist cifar10 synthetic image_folder")
@@ -310,35 +289,7 @@ def compose(overrides: list[str]) -> DictConfig:
                            "`spotring train --cfg job`.")
 
 
-def compose_checked(name: str, overrides: list[str], hint: str) -> DictConfig:
-    """conf/``name``.yaml with ``overrides``; a bad override is a ConfigError ending in
-    ``hint``."""
-    try:
-        with initialize_config_module(CONF_MODULE, version_base="1.3"):
-            return hydra_compose(name, overrides=list(overrides))
-    except (HydraException, OmegaConfBaseException) as e:
-        cause = f": {e.__cause__}" if e.__cause__ else ""
-        raise ConfigError(f"{_for_users(f'{e}{cause}')}\n{hint}") from e
-
-
-def _for_users(message: str) -> str:
-    """Hydra's message without what only its developers need: the search path and
-    OmegaConf's type names. The bad value and the valid options stay."""
-    message = message.split("\nConfig search path:")[0]
-    return "\n".join(line for line in message.splitlines() if line.strip() and not
-                     line.lstrip().startswith(("reference_type=", "object_type=")))
-
-
 # -------------------------------------------------------------------------- validation
-
-def one_of(key: str, value: Any, valid: tuple[str, ...] | list[str]) -> str | None:
-    """A problem line if ``value`` is not in ``valid``, with a close match when there is one."""
-    if value in valid:
-        return None
-    close = difflib.get_close_matches(str(value), valid, n=1)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    return f"{key}={value}: unknown{hint}; valid: {', '.join(valid)}"
-
 
 @cache
 def torchvision_archs() -> list[str]:

@@ -19,17 +19,17 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
 from spotring import engines, exits, runtime
-from spotring.checkpoint import Checkpoint, Checkpoints, check_compatible, find_resume
+from spotring.checkpoint import Checkpoint, Checkpoints, find_resume
 from spotring.exits import EXIT_CONFIG, EXIT_OK, ConfigError
 from spotring.global_batch import split_global_batch
 from spotring.job import Job
 from spotring.trainer import datasets
 from spotring.trainer.config import global_batch, validate
-from spotring.trainer.loop import Trainer
+from spotring.trainer.loop import Trainer, annotations
 from spotring.trainer.models import build_model
 
 log = logging.getLogger("trainer")
@@ -89,8 +89,7 @@ def _prepare(cfg: DictConfig, launch: runtime.Launch
             checkpoints.remote.check_access()
         found = find_resume(cfg.resume, checkpoints)
         if found is not None:
-            model_cfg = OmegaConf.to_container(cfg.model, resolve=True, enum_to_str=True)
-            check_compatible(found, model_cfg, cfg.dataset.name)
+            found.check_matches(annotations(cfg))
     return checkpoints, found, dataset, model, device
 
 

@@ -75,6 +75,15 @@ class Position:
         self.trained_with = state["global_batch"]
 
 
+def annotations(cfg: DictConfig) -> dict[str, Any]:
+    """What every checkpoint's manifest says the run trains, and a resume must match
+    (Job.annotate): the network's settings and the dataset. Not model.l1, a term of the
+    loss, which a run may change and go on."""
+    model = OmegaConf.to_container(cfg.model, resolve=True, enum_to_str=True)
+    return {"model": {k: v for k, v in model.items() if k != "l1"},
+            "dataset": cfg.dataset.name}
+
+
 class Stopwatch:
     """Wall time of training steps only: paused around evaluation and checkpoints.
     Waits for the GPU at each pause, so asynchronous kernels are counted."""
@@ -172,8 +181,7 @@ class Trainer:
         self.raw_model = model
         self.position = Position(self.global_batch, self.batches.steps_per_epoch)
         job.track(model=model, optimizer=optimizer, position=self.position)
-        job.annotate(model=OmegaConf.to_container(cfg.model, resolve=True, enum_to_str=True),
-                     dataset=cfg.dataset.name)
+        job.annotate(**annotations(cfg))
         # NHWC weights unless the engine's collectives need them contiguous (the image
         # batches come NHWC from self.batches). With train.compile, the model is compiled
         # before DDP wraps it: the compiled module then runs inside DDP's forward, where

@@ -1,0 +1,42 @@
+"""The launch contract: what every process of a job gets from spotring's launchers
+(`spotring launch`, `spotring sbatch`, `spotring sweep`), besides its launcher's own
+variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR under torchrun; HOROVOD_RANK...
+under horovodrun; OMPI_COMM_WORLD_RANK... under mpirun; SLURM_PROCID... under srun).
+
+    SPOTRING_RUN_DIR         where rank 0 writes: what comes back to the launcher
+    SPOTRING_CHECKPOINT_URI  s3://... that every checkpoint also goes to
+    SPOTRING_RUN_ID          the same across every restart of the job
+    SPOTRING_RESTART         0 on the first try, then 1, 2, ... on each restart
+
+spotring.init (and so the built-in trainer, which is a spotring user like any script)
+reads the first two; a script without the library may read them all.
+"""
+
+from __future__ import annotations
+
+import os
+
+RUN_DIR = "SPOTRING_RUN_DIR"
+CHECKPOINT_URI = "SPOTRING_CHECKPOINT_URI"
+RUN_ID = "SPOTRING_RUN_ID"
+RESTART = "SPOTRING_RESTART"
+
+
+def environment(run_id: str, run_dir: str, restart: int | str,
+                checkpoint_uri: str | None = None) -> dict[str, str]:
+    """The contract's variables for one try of a job (``restart`` may be a shell
+    expansion such as $SLURM_RESTART_COUNT, for a script to expand)."""
+    env = {RUN_ID: run_id, RUN_DIR: run_dir, RESTART: str(restart)}
+    if checkpoint_uri:
+        env[CHECKPOINT_URI] = checkpoint_uri
+    return env
+
+
+def run_dir() -> str | None:
+    """This job's run directory, where a launcher gave one."""
+    return os.environ.get(RUN_DIR) or None
+
+
+def checkpoint_uri() -> str | None:
+    """Where this job's checkpoints also go, where a launcher gave it."""
+    return os.environ.get(CHECKPOINT_URI) or None

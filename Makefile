@@ -116,17 +116,18 @@ system-deps:
 clean:
 	rm -rf runs .pytest_cache
 
-# The GPU kit (docs/gpu.md): the wheels an offline GPU machine lacks, made here, and every
-# GPU check in one command there. A checkout's .venv has those packages; elsewhere (the GPU
-# machine's own python3, with its torch) the bundle brings them.
+# The GPU kit (docs/gpu.md): spotring's wheel and those an offline GPU machine lacks, made
+# here from the installed checkout, and every GPU check in one command there. A checkout's
+# .venv has those packages; elsewhere (the GPU machine's own python3, with its torch) the
+# bundle brings them, spotring included.
 GPU_BUNDLE ?= gpu-bundle
 GPU_OUT    ?= runs/gpu-check
 GPU_ARGS   ?=
 KIT_PYTHON := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 .PHONY: gpu-bundle gpu-check
 
-gpu-bundle:
-	$(KIT_PYTHON) -m spotring.benchmarks.gpu_bundle $(GPU_BUNDLE)
+gpu-bundle: install
+	$(BIN)/python -m spotring.benchmarks.gpu_bundle $(GPU_BUNDLE)
 
 gpu-check:
 	PYTHON=$(KIT_PYTHON) tools/gpu-check $(GPU_OUT) \

@@ -18,13 +18,17 @@ docs/benchmarks.md. The modules:
 
 and, run on their own (python -m spotring.benchmarks.X): notice_budget.py (a spot notice to the
 checkpoint on S3), api_cost.py (what spotring's API costs a script, the DataLoader over
-files), gpu_check.py (tools/gpu-check: every GPU path in one command, with gpu_bundle.py
-the wheels an offline GPU machine lacks and deterministic_trainer.py)
+files; its loops api_cost_loops.py, its figures api_cost_report.py), gpu_check.py
+(tools/gpu-check: every GPU path in one command; gpu_kit.py what its checks share,
+gpu_mnist.py, gpu_equivalence.py and gpu_speed.py the checks, gpu_report.py its report,
+gpu_bundle.py the wheels an offline GPU machine lacks, deterministic_trainer.py)
 
-and what they share: runs.py (start a measured run as users do), allreduce_ranks.py (each
-rank of the allreduce benchmark), plain_loop.py (the plain PyTorch DDP baseline),
-trainer_sweep.py (a Hydra sweep of the trainer in one process), stats.py, record.py
-(results folders), machine.py (what a run ran on).
+and what they share: runs.py (start a measured run as users do), processes.py (the
+processes a benchmark starts, taken down whole), allreduce_ranks.py (each rank of the
+allreduce benchmark), plain_loop.py (the plain PyTorch DDP baseline), trainer_sweep.py (a
+Hydra sweep of the trainer in one process), stats.py, record.py (results folders),
+machine.py (what a run ran on). The plots draw with spotring.plotting, which the sweep's
+report shares.
 """
 
 from spotring.cli import Command

@@ -1,18 +1,21 @@
 """The wheels a GPU machine lacks, in one folder: made here, installed there.
 
-    make gpu-bundle                          # here, with the package index: gpu-bundle/
+    make gpu-bundle                                   # here, with the package index: gpu-bundle/
     python -m spotring.benchmarks.gpu_bundle DIR      # the same into DIR
 
-tools/gpu-bundle.txt names them, constraints.txt pins their versions. They are downloaded
-for CPython 3.12 on manylinux x86-64 (the offline GPU machine's Python, ../shared/DESIGN.md)
-without their dependencies: the list is complete by itself. A package with no wheel on the
-index (antlr4-python3-runtime 4.9.3, which hydra-core 1.3 pins) is built into one here,
-and must then be pure Python to run there. What travels to the GPU machine, the folder
-and the repository's tracked files together, must fit in 64 MiB: the folder's size, the
-tracked files' and their sum are printed, and more than that is an error (exit 1).
+The folder holds spotring's own wheel, of the code that runs here (spotring.launch.wheel:
+the same code gives the same bytes), and the wheels tools/gpu-bundle.txt names, at the
+versions constraints.txt pins. Those are downloaded for CPython 3.12 on manylinux x86-64
+(the offline GPU machine's Python, ../shared/DESIGN.md) without their dependencies: the
+list is complete by itself. A package with no wheel on the index (antlr4-python3-runtime
+4.9.3, which hydra-core 1.3 pins) is built into one here, and must then be pure Python to
+run there. What travels to the GPU machine, the folder and the repository's tracked files
+together, must fit in 64 MiB: the folder's size, the tracked files' and their sum are
+printed, and more than that is an error (exit 1).
 
-tools/gpu-check installs the folder into a temporary one (``install``) and puts it first
-on the path of every process it starts.
+tools/gpu-check installs the folder there (tools/run_bundled.py: once per bundle, into a
+cache) and refuses a bundle whose spotring is not the checkout's code: make it again after
+changing the code, before the checkout travels.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import argparse
 import subprocess
 import sys
 from pathlib import Path
+
+from spotring.launch import wheel
 
 REPO = Path(__file__).resolve().parents[1]
 LIST = REPO / "tools" / "gpu-bundle.txt"
@@ -34,7 +39,7 @@ GPU_PYTHON = ("--python-version", "3.12", "--implementation", "cp",
 
 
 class BundleError(RuntimeError):
-    """The bundle cannot be made or installed; the message says why and what pip said."""
+    """The bundle cannot be made; the message says why and what pip said."""
 
 
 def requirements() -> list[str]:
@@ -55,7 +60,7 @@ def _said(done: subprocess.CompletedProcess) -> str:
 def download(dest: Path, python: tuple[str, ...] = GPU_PYTHON) -> list[Path]:
     """Every wheel of the list into ``dest`` (emptied of wheels first, so that a changed
     pin leaves no second version behind), for the Python ``python`` names in pip
-    download's options (() for this one). Returns the wheels."""
+    download's options (() for this one). Returns the folder's wheels."""
     dest.mkdir(parents=True, exist_ok=True)
     for old in dest.glob("*.whl"):
         old.unlink()
@@ -75,20 +80,11 @@ def download(dest: Path, python: tuple[str, ...] = GPU_PYTHON) -> list[Path]:
     return sorted(dest.glob("*.whl"))
 
 
-def install(bundle: Path, target: Path) -> list[Path]:
-    """The wheels of ``bundle`` installed into ``target`` by this Python's pip, offline
-    and as they are (no dependencies looked for). Returns the wheels."""
-    wheels = sorted(bundle.glob("*.whl"))
-    if not wheels:
-        raise BundleError(f"{bundle}: no wheels there; `make gpu-bundle` makes them, where "
-                          "the package index is reachable")
-    done = _pip("install", "--quiet", "--no-index", "--no-deps", "--no-compile",
-                "--target", target, *wheels)
-    if done.returncode != 0:
-        raise BundleError(f"{bundle}: pip could not install its wheels for {sys.executable} "
-                          f"(Python {sys.version.split()[0]}; the bundle is made for CPython "
-                          f"3.12 on x86-64 Linux):\n{_said(done)}")
-    return wheels
+def make(dest: Path, python: tuple[str, ...] = GPU_PYTHON) -> list[Path]:
+    """The bundle in ``dest``: download's wheels and spotring's own. Returns the wheels."""
+    download(dest, python)
+    wheel.build(dest)
+    return sorted(dest.glob("*.whl"))
 
 
 def tracked_bytes() -> int:
@@ -106,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the folder (default: gpu-bundle/ in the checkout)")
     args = parser.parse_args(argv)
     try:
-        wheels = download(args.dir)
+        wheels = make(args.dir)
     except BundleError as e:
         print(f"gpu-bundle: {e}", file=sys.stderr)
         return 1

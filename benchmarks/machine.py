@@ -15,9 +15,9 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from spotring.benchmarks.runs import REPO
 from spotring.launch.commands import BIN
 
-REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("torch", "torchvision", "horovod", "mpi4py", "openmpi", "hydra-core", "numpy")
 
 

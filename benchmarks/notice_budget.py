@@ -32,7 +32,6 @@ import argparse
 import json
 import logging
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,11 +39,11 @@ from pathlib import Path
 from spotring import checkpoint
 from spotring.benchmarks import record
 from spotring.benchmarks.report import header, spread, table
-from spotring.benchmarks.runs import REPO, shown, trainer_records
+from spotring.benchmarks.runs import REPO, shown, started, trainer_records, until_step
 from spotring.benchmarks.stats import mean_ci
 from spotring.benchmarks.suite import counts
 from spotring.exits import EXIT_PREEMPTED, PREEMPTED
-from spotring.launch.commands import local_command, local_environment
+from spotring.launch.commands import local_command
 from spotring.preemption import NOTICE_SECONDS
 from spotring.stores import write_atomic
 
@@ -88,14 +87,6 @@ def start_s3():
     return server, client, env
 
 
-def _steps_done(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    return max((json.loads(line)["step"] for line in path.read_text().splitlines()
-                if line.endswith("}")), default=0)
-
-
 def stop_once(args: argparse.Namespace, run_dir: Path, env: dict[str, str],
               client) -> dict:
     """One run: train, SIGTERM after args.steps steps, and what its preempted.json says."""
@@ -106,24 +97,11 @@ def stop_once(args: argparse.Namespace, run_dir: Path, env: dict[str, str],
         "dataset.shape=[3,32,32]", "dataset.num_classes=1000",
         f"dataset.train_size={args.batch * STEPS}", "dataset.test_size=64",
         f"train.batch_size={args.batch}", f"checkpoint.uri={uri}", "preemption.imds=false"])
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "output.log", "w") as out:
-        proc = subprocess.Popen(command, cwd=REPO, env=local_environment(**env), stdout=out,
-                                stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + START_SECONDS
-            while _steps_done(run_dir) < args.steps:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{shown(command)} did not reach step {args.steps} "
-                                       f"(exit {proc.returncode}); see {run_dir}/output.log")
-                time.sleep(0.05)
-            signalled = time.time()
-            proc.send_signal(signal.SIGTERM)
-            code = proc.wait(STOP_SECONDS)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    with started(command, run_dir / "output.log", **env) as proc:
+        until_step(proc, run_dir, args.steps, START_SECONDS)
+        signalled = time.time()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(STOP_SECONDS)
     if code != EXIT_PREEMPTED:
         raise RuntimeError(f"{shown(command)} exited {code} after SIGTERM, not "
                            f"{EXIT_PREEMPTED}; see {run_dir}/output.log")

@@ -7,29 +7,17 @@
     prediction.png   the predictor against the published figures
     time_to_accuracy.png  test accuracy against training seconds, per configuration and seed
 
-Error bars are the 95% confidence intervals of the tables.
+Error bars are the 95% confidence intervals of the tables. Drawn with spotring.plotting
+(the headless backend, each PNG written whole).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only: no display on servers and in tests
-import matplotlib.pyplot as plt  # noqa: E402
-
-from spotring.benchmarks import predict  # noqa: E402
-from spotring.benchmarks.throughput import reference  # noqa: E402
-
-
-def save(fig, path: Path) -> None:
-    """The PNG whole or not at all: drawn beside it, then renamed over it."""
-    fig.tight_layout()
-    part = path.with_name(path.name + ".part")
-    fig.savefig(part, format="png", dpi=110)
-    plt.close(fig)
-    part.replace(path)
+from spotring.benchmarks import predict
+from spotring.benchmarks.throughput import reference
+from spotring.plotting import plt, save
 
 
 def throughput(section: dict, path: Path) -> None:

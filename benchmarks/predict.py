@@ -223,7 +223,8 @@ def _validation(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _positive(text: str) -> float:
+def positive(text: str) -> float:
+    """argparse's type for a number above 0."""
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text}: must be a number above 0")
@@ -240,18 +241,18 @@ def parser() -> argparse.ArgumentParser:
     source.add_argument("--validate", action="store_true",
                         help="the published figures against their predictions, and exit")
     p.add_argument("--engine", default="ddp", choices=list(ENGINES), help="with --results")
-    p.add_argument("--img-s", type=_positive, help="img/s of one worker computing alone (r1)")
+    p.add_argument("--img-s", type=positive, help="img/s of one worker computing alone (r1)")
     p.add_argument("--batch", type=int, help="per worker (default 64; --results: its batch)")
-    p.add_argument("--gradient-mb", type=_positive, help="MB of gradients per step")
-    p.add_argument("--bucket-mb", type=_positive, default=25.0,
+    p.add_argument("--gradient-mb", type=positive, help="MB of gradients per step")
+    p.add_argument("--bucket-mb", type=positive, default=25.0,
                    help="gradient bytes per allreduce (DDP's bucket_cap_mb, Horovod's fusion)")
-    p.add_argument("--link-gbit", type=_positive, help="network bandwidth between nodes")
-    p.add_argument("--latency-us", type=_positive, help="per message between nodes (default 50)")
+    p.add_argument("--link-gbit", type=positive, help="network bandwidth between nodes")
+    p.add_argument("--latency-us", type=positive, help="per message between nodes (default 50)")
     p.add_argument("--gpus-per-node", type=int, help="workers per node (default 1)")
     p.add_argument("--samples", type=int, help="per epoch (default: ImageNet's 1,281,167)")
-    p.add_argument("--epochs", type=_positive, help="default 90")
-    p.add_argument("--price", type=_positive, help="USD per node-hour (default 1: node-hours)")
-    p.add_argument("--deadline-hours", type=_positive, help="name the cheapest node count "
+    p.add_argument("--epochs", type=positive, help="default 90")
+    p.add_argument("--price", type=positive, help="USD per node-hour (default 1: node-hours)")
+    p.add_argument("--deadline-hours", type=positive, help="name the cheapest node count "
                    "that trains within this many hours")
     return p
 

@@ -22,9 +22,7 @@ from spotring.benchmarks import machine
 from spotring.benchmarks.runs import REPO, shown
 from spotring.stores import write_atomic
 
-_PACKAGE_RESULTS = Path(__file__).resolve().parent / "results"
-RESULTS = (_PACKAGE_RESULTS if (REPO / "pyproject.toml").is_file()
-           else Path.cwd() / "benchmarks" / "results")
+RESULTS = REPO / "benchmarks" / "results"
 
 
 def write(name: str | None, kind: str, command: str, measure: Callable[[Path], dict],

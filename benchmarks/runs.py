@@ -19,20 +19,26 @@ checkpoints and TensorBoard files are deleted once read: they are not measuremen
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import shlex
 import shutil
-import signal
 import subprocess
+import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from spotring.benchmarks import processes
 from spotring.launch.commands import BIN, local_command, local_environment
 
-# Where `python -m spotring.benchmarks.X` and `python -m spotring.trainer` import from: the
-# checkout, or the installed package's site-packages.
-REPO = Path(__file__).resolve().parents[1]
+_PARTS = Path(__file__).resolve().parents[1]
+# Where the measured commands run, and what their paths are shown relative to: the
+# checkout these modules are in (its data/ holds MNIST, its git the commit), or, where
+# spotring is installed from a wheel, the directory the benchmark was started in, as for
+# `spotring train`. Never the installed package's folder, whose modules (exits.py,
+# runtime.py...) would shadow others of those names for a `python -m` started there.
+REPO = _PARTS if (_PARTS / "pyproject.toml").is_file() else Path.cwd()
 MIB = 2**20
 
 
@@ -161,20 +167,23 @@ def run_together(commands: list[list[str]], env: dict[str, str] | None = None,
                  timeout: float = 1800) -> list[str]:
     """Start ``commands`` at once, wait for all; their stdouts. A failure, or a command
     still running after ``timeout`` seconds (then killed, with its ranks), raises with the
-    command and the end of its output."""
-    procs = [subprocess.Popen(c, cwd=REPO, env=local_environment(**(env or {})),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True)  # a group: a launcher and its ranks
-             for c in commands]
+    command and the end of its output; processes.Stopped where the benchmark is stopping
+    (benchmarks/processes.py). None of them outlives the call."""
+    procs: list[subprocess.Popen] = []
     try:
+        for command in commands:
+            procs.append(processes.start(
+                command, cwd=REPO, env=local_environment(**(env or {})),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outputs = [p.communicate(timeout=timeout) for p in procs]
     except subprocess.TimeoutExpired as e:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.communicate()
         raise RuntimeError(f"not finished within {timeout:g} s, killed: {shown(e.cmd, env)}") \
             from e
+    finally:  # timed out, interrupted, or one would not start
+        for p in procs:
+            if p.returncode is None:
+                processes.kill(p)
+                p.communicate()
     for proc, (out, err) in zip(procs, outputs, strict=True):
         if proc.returncode != 0:
             raise RuntimeError(f"failed (exit {proc.returncode}): {shown(proc.args, env)}"
@@ -201,11 +210,52 @@ def intervals_of(program: str, run_dir: Path, stdout: str) -> list[tuple[int, fl
     return [(r["step"], r["images_per_second"]) for r in records]
 
 
-def trainer_records(run_dir: Path, kind: str) -> list[dict]:
-    """The records of ``kind`` (train, epoch, test) in a trainer run's metrics.jsonl. Its
-    checkpoints and TensorBoard files are deleted: they are not measurements."""
+@contextlib.contextmanager
+def started(command: list[str], log: Path, **env: str) -> Iterator[subprocess.Popen]:
+    """A process of ``command`` (its output into ``log``), killed with everything under
+    it when the block ends, whether it ended or not."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        proc = processes.start(command, cwd=REPO, env=local_environment(**env), stdout=out,
+                               stderr=subprocess.STDOUT)
+    try:
+        yield proc
+    finally:
+        processes.kill(proc)
+
+
+def steps_logged(run_dir: Path) -> int:
+    """The newest step a trainer run's rank 0 logged in metrics.jsonl (0: none yet; a
+    line still being written is left out)."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
+
+
+def until_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float) -> None:
+    """Wait until the trainer run ``proc`` (into ``run_dir``) has logged ``step``; raises
+    RuntimeError where it ended first or took more than ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while steps_logged(run_dir) < step:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            how = (f"ended first (exit {proc.returncode})" if proc.poll() is not None
+                   else f"did not get there within {timeout:g} s")
+            raise RuntimeError(f"the run in {run_dir}, to be stopped at step {step}, {how}: "
+                               f"{shown(proc.args)}")
+        time.sleep(0.01)
+
+
+def drop_heavy(run_dir: Path) -> None:
+    """A trainer run's checkpoints and TensorBoard files, deleted: they are not
+    measurements, and results folders are for committing."""
     for heavy in ("checkpoints", "tensorboard"):
         shutil.rmtree(run_dir / heavy, ignore_errors=True)
+
+
+def trainer_records(run_dir: Path, kind: str) -> list[dict]:
+    """The records of ``kind`` (train, epoch, test) in a trainer run's metrics.jsonl; its
+    heavy files are dropped (drop_heavy)."""
+    drop_heavy(run_dir)
     return [r for r in map(json.loads, (run_dir / "metrics.jsonl").open()) if r["kind"] == kind]
 
 

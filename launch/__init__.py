@@ -1,17 +1,18 @@
-"""The cluster side of spotring: start nodes, write hostfiles, run a command or the
-trainer across them, tear them down. `spotring launch|up|run|status|down|cost`
-(__main__.py, whose docstring is the runbook) composes the steps, each a module of its
-own:
+"""The cluster side of spotring: start nodes, write hostfiles, run a job's command (the
+built-in trainer's, `spotring train ...`, or a user's own) across them, tear them down.
+`spotring launch|up|run|status|down|cost` (__main__.py, whose docstring is the runbook)
+composes the steps, each a module of its own:
 
     up.py          nodes, known_hosts, hostfiles        config.py     schemas, offline checks
     run.py         project over, the job, results back rundir.py     runs/launch/<run id>/
     down.py        delete everything of a run          provider.py   Node and the Provider
     cost.py        prices, node-hours, $/epoch                       interface: aws/, local/
     plan.py        --dry-run                           clusters.py   the provider a config
-                                                                     names
-                                                       ssh.py, sync.py, hostfile.py,
+    recover.py     lost nodes replaced, the job again                names
+    slurm.py       `spotring sbatch`                   ssh.py, sync.py, hostfile.py,
                                                        job_command.py, contract.py,
-                                                       project.py, wheel.py, node_env.py:
+                                                       project.py, wheel.py, node_env.py,
+                                                       notice.py, tries.py, ledger.py:
                                                        what the steps use
 
 commands.py builds the local launcher commands that the Makefile, tests, benchmarks and
@@ -37,6 +38,6 @@ COMMANDS = {
     **{step: Command("spotring.launch.__main__:main", summary, prefix=(step,))
        for step, summary in STEPS.items()},
     "sbatch": Command("spotring.launch.slurm:main",
-                      "a command or the trainer as a SLURM batch job: requeued after "
-                      "preemption"),
+                      "a job's command (or the trainer's) as a SLURM batch job: requeued "
+                      "after preemption"),
 }

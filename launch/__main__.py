@@ -22,22 +22,23 @@ the built-in trainer across them, tear them down (also `python -m spotring.launc
 Before `--`: overrides of conf/launch.yaml, e.g. nodes=8 cluster=local,
 cluster.instance_types=[g5.12xlarge,g6.12xlarge], cluster.zones=[us-east-1a],
 cluster.ssh_cidr=203.0.113.7/32, cluster.on_demand_fallback=true, job.launcher=torchrun
-(`spotring up --help` lists the keys). After it: a command, started on every node's slots
-by job.launcher (once per node with job.launcher=none), or the trainer's overrides, as
-`spotring train` takes them, when the first word is KEY=VALUE (launch/contract.py). The
-directory the launcher runs in goes to every node (the files git lists, or all; up to
-job.max_project_mb), with spotring at this version and requirements.txt or pyproject.toml's
-dependencies installed there; all of it is checked before anything is created. `run`,
-`status`, `down` and `cost` take the
-cluster and node count from the run's launch.yaml (`cost` prices other nodes=,
-cluster.instance_types=, zones= or region= when given). docs/launching.md is the guide.
+(`spotring up --help` lists the keys). After it: the job's command, started on every
+node's slots by job.launcher (once per node with job.launcher=none); words that start
+with KEY=VALUE are the trainer's overrides, and the command is then `spotring train
+OVERRIDES` (launch/contract.py). The directory the launcher runs in goes to every node
+(the files git lists, or all; up to job.max_project_mb), with spotring at this version
+and requirements.txt or pyproject.toml's dependencies installed there; all of it, and
+the command's arguments, are checked before anything is created. `run`, `status`, `down`
+and `cost` take the cluster and node count from the run's launch.yaml (`cost` prices
+other nodes=, cluster.instance_types=, zones= or region= when given). docs/launching.md
+is the guide.
 
 `launch` takes everything down at the end, on an error and on Ctrl-C; `up` does on an
 error or Ctrl-C before it is done. Each deletion is tried even when others fail; what
 is still there then is named, with `spotring down run_id=ID` to try again. Exit codes:
 0 done; 1 failed (no capacity, an AWS or ssh error, or something could not be deleted);
-2 bad input (nothing was created); `run` and `launch` pass the trainer's on (69 a rank
-was lost, 75 preempted: spotring/exits.py).
+2 bad input (nothing was created); 130 interrupted; `run` and `launch` pass the job's
+own on (docs/exit-codes.md).
 """
 
 from __future__ import annotations
@@ -55,8 +56,7 @@ from botocore.parsers import ResponseParserError
 from spotring.exits import EXIT_CONFIG, EXIT_FAILED, ConfigError
 from spotring.launch import STEPS, config, ledger, project
 from spotring.launch.clusters import provider_for
-from spotring.launch.console import interrupt_on_termination, log_to, split_trainer_args
-from spotring.launch.contract import split_command
+from spotring.launch.console import interrupt_on_termination, log_to, split_dashes
 from spotring.launch.cost import after_run, hourly
 from spotring.launch.down import down, down_after, leftovers
 from spotring.launch.plan import plan
@@ -104,16 +104,16 @@ def main(argv: list[str] | None = None, prog: str = "spotring") -> int:
     """Run one subcommand: ``argv`` is [subcommand, arguments...], ``prog`` what help and
     error messages call the program. Returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    ours, trainer_args = split_trainer_args(argv)
+    ours, words = split_dashes(argv)
     try:
-        args = _parse(prog, ours, trainer_args)
+        args = _parse(prog, ours, words)
     except SystemExit as e:  # --help (0) or a usage error (2), printed by argparse
         return e.code if isinstance(e.code, int) else 0
     name = f"{prog} {args.command}"
     log_to(sys.stdout)
     interrupt_on_termination()  # a closed terminal or a `kill` tears down too
     try:
-        return _command(args, trainer_args)
+        return _command(args, words)
     except ConfigError as e:
         _last_lines(name, f"error: {e}", e)
         return EXIT_CONFIG
@@ -134,7 +134,7 @@ def _last_lines(name: str, why: str, error: BaseException) -> None:
         print(f"{name}: {left}", file=sys.stderr)
 
 
-def _parse(prog: str, ours: list[str], trainer_args: list[str]) -> argparse.Namespace:
+def _parse(prog: str, ours: list[str], words: list[str]) -> argparse.Namespace:
     """The subcommand and its options; argparse prints help and usage errors itself."""
     if not ours or ours[0] not in COMMANDS:
         top = argparse.ArgumentParser(
@@ -155,8 +155,8 @@ def _parse(prog: str, ours: list[str], trainer_args: list[str]) -> argparse.Name
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="overrides of conf/launch.yaml (below)")
     args = parser.parse_intermixed_args(ours[1:])
-    if trainer_args and "--" not in keys:
-        parser.error(f"takes nothing after -- (there: {' '.join(trainer_args)}); "
+    if words and "--" not in keys:
+        parser.error(f"takes nothing after -- (there: {' '.join(words)}); "
                      "`run`, `up` and `launch` do")
     args.command = command
     args.all_mine = getattr(args, "all_mine", False)
@@ -180,17 +180,17 @@ def _overrides_help(keys: list[str]) -> str:
 
 def _command(args: argparse.Namespace, after_dashes: list[str]) -> int:
     cfg = config.compose(args.overrides)
-    trainer_args, command = split_command(after_dashes)
-    cfg.job.args = [*cfg.job.args, *trainer_args]
-    cfg.job.command = command or list(cfg.job.command)
+    config.add_words(cfg, after_dashes)
     command, run = args.command, _run_dir(args.command, cfg, args.all_mine)
     if run.config.exists():
         # `cost nodes=8 cluster.instance_types=[...]` prices another cluster than the run's.
         keep = [k for k in PRICED_ANEW if any(o.startswith(f"{k}=") for o in args.overrides)]
         cfg = config.with_saved_cluster(cfg, run.config, keep if command == "cost" else [])
         if command == "run" and not after_dashes:  # the job `up` was given
-            cfg.job.args, cfg.job.command = config.saved_job(run.config)
+            cfg.job.args, cfg.job.command = [], config.saved_command(run.config)
     config.validate(cfg)
+    # From here on the job is its command, the trainer's (`spotring train ...`) or not.
+    cfg.job.args, cfg.job.command = [], config.job_command(cfg.job)
     if args.command in ("up", "run", "launch"):  # what goes to the nodes
         project.check(Path.cwd(), list(cfg.job.command), cfg.job.max_project_mb)
     provider = provider_for(cfg, run)

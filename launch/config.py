@@ -4,9 +4,10 @@ conf/launch.yaml picks a cluster (conf/cluster/aws_spot.yaml or local.yaml); the
 dataclasses here fix the keys and their types, so `cluster.instance_type=g5.xlarge`
 (a typo of instance_types) fails in Hydra before anything runs. ``validate`` then
 checks what types cannot, offline: the region and instance types against botocore's
-own lists, the SSH CIDR, the counts. The checks that need AWS (credentials, the
-subnet's zone, the AMI) are the provider's ``check``; both run before any resource
-exists. The launcher's config is its own root: `python -m spotring.trainer` never sees it.
+own lists, the SSH CIDR, the counts (the job's command is checked with the project:
+launch/project.py). The checks that need AWS (credentials, the subnet's zone, the AMI)
+are the provider's ``check``; all run before any resource exists. The launcher's config
+is its own root: `spotring train` never sees it.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, DictConfig, OmegaConf
 
 from spotring.exits import ConfigError
+from spotring.launch.contract import command_of, split_command
 from spotring.options import one_of
-from spotring.trainer import config as trainer_config
 from spotring.trainer.compose import compose_checked
 
 CLUSTERS = ("aws_spot", "local")
@@ -45,13 +46,14 @@ class ClusterConfig:
     copy_env: bool = True
     ssh_timeout_s: float = 300.0  # for sshd to answer on new nodes
     max_nodes: int = 16  # a guard against NODES=80 meant as 8
-    # Recovery (launch/recover.py), two budgets counted apart: restarts after a
-    # preemption (a spot notice or SIGTERM reached the trainer: exit 75), which spot
-    # nodes are for, and after a failure without one (a lost rank, exit 69; a crash; a
-    # node gone without notice), which may be a bug: by default a run rides out three
-    # preemptions and stops at the first failure. Restarts go on no fewer than min_nodes
-    # nodes; after a notice the launcher waits up to notice_wait_s for the noticed node
-    # to leave `running` (EC2 gives two minutes).
+    # Recovery (launch/recover.py; the policy: docs/exit-codes.md), two budgets counted
+    # apart: restarts after a preemption (a spot notice or SIGTERM reached the job: exit
+    # 75), which spot nodes are for, and after any other stop (a lost rank, exit 69; a
+    # crash; a node gone without notice), which may be a bug: by default a run rides out
+    # three preemptions and stops at the first failure. Restarts go on no fewer than
+    # min_nodes nodes. A node that announces a spot notice is taken down and replaced at
+    # once; after a preemption with no such node, the launcher waits up to notice_wait_s
+    # for one, or for a node to leave `running` (EC2 gives two minutes).
     max_preemptions: int = 3
     max_restarts: int = 0
     min_nodes: int = II("nodes")
@@ -100,13 +102,15 @@ class LocalClusterConfig(ClusterConfig):
 @dataclass
 class JobConfig:
     launcher: str = "horovodrun"  # horovodrun | mpirun | torchrun | none (once per node)
-    args: list[str] = field(default_factory=list)  # trainer overrides (also: after `--`)
-    # A command of the user's own instead of the trainer (also: after `--`, launch/contract.py)
+    # The job's command (also: after `--`, launch/contract.py); none: the built-in
+    # trainer, `spotring train ARGS`, with the trainer's overrides ``args``.
     command: list[str] = field(default_factory=list)
+    args: list[str] = field(default_factory=list)
     # Where rank 0 of the command writes, relative to the project (default: runs/<run id>,
     # which $SPOTRING_RUN_DIR names and spotring.init writes to): brought back as job/.
     results: str | None = None
-    checkpoint_uri: str | None = None  # s3://... : $SPOTRING_CHECKPOINT_URI of the command
+    # s3://... where the job's checkpoints also go: its $SPOTRING_CHECKPOINT_URI.
+    checkpoint_uri: str | None = None
     # The project directory (where the launcher runs) goes to every node, up to this size.
     max_project_mb: float = 200.0
 
@@ -161,10 +165,23 @@ def with_saved_cluster(cfg: DictConfig, saved: Path, keep: list[str]) -> DictCon
     return cfg
 
 
-def saved_job(saved: Path) -> tuple[list[str], list[str]]:
-    """The trainer's arguments and the command a run was brought up with."""
+def add_words(cfg: DictConfig, words: list[str]) -> None:
+    """The words after `--` into cfg.job: a command, or more of the trainer's overrides
+    (launch/contract.py)."""
+    overrides, command = split_command(words)
+    cfg.job.args = [*cfg.job.args, *overrides]
+    cfg.job.command = command or list(cfg.job.command)
+
+
+def job_command(job: DictConfig) -> list[str]:
+    """The job's command: job.command, or the trainer with job.args."""
+    return command_of(job.args, job.command)
+
+
+def saved_command(saved: Path) -> list[str]:
+    """The job's command a run was brought up with."""
     job = OmegaConf.load(saved).job
-    return list(job.get("args", [])), list(job.get("command", []))
+    return command_of(job.get("args", []), job.get("command", []))
 
 
 # -------------------------------------------------------------------------- validation
@@ -192,14 +209,12 @@ def validate(cfg: DictConfig) -> None:
                  "e.g. {g5.xlarge: 1.006}"
                  for t, p in c.on_demand_prices.items() if p is None or p < 0]
     need(c.ssh_timeout_s > 0, f"cluster.ssh_timeout_s={c.ssh_timeout_s}: must be positive")
-    if cfg.job.command:
-        need(not cfg.job.args, f"job.args={list(cfg.job.args)} with job.command="
-             f"{list(cfg.job.command)}: the trainer's overrides or a command, not both")
-        results = cfg.job.results
-        need(results is None or not (Path(results).is_absolute() or ".." in Path(results).parts),
-             f"job.results={results}: a directory relative to the project, inside it")
-    else:
-        problems += _trainer_problems(list(cfg.job.args))
+    need(not (cfg.job.command and cfg.job.args),
+         f"job.args={list(cfg.job.args)} with job.command={list(cfg.job.command)}: the "
+         "trainer's overrides or a command, not both")
+    results = cfg.job.results
+    need(results is None or not (Path(results).is_absolute() or ".." in Path(results).parts),
+         f"job.results={results}: a directory relative to the project, inside it")
     need(cfg.job.max_project_mb > 0,
          f"job.max_project_mb={cfg.job.max_project_mb}: must be positive")
     if c.name == "aws_spot":
@@ -211,19 +226,6 @@ def validate(cfg: DictConfig) -> None:
     if problems:
         raise ConfigError("bad launch configuration:\n  - " + "\n  - ".join(problems)
                           + "\nNothing was created. See conf/launch.yaml and conf/cluster/.")
-
-
-def _trainer_problems(args: list[str]) -> list[str]:
-    """The trainer's arguments, checked here as each rank would check them: a typo stops
-    the launch before any node is paid for."""
-    if any(a.startswith("hydra.run.dir=") for a in args):
-        return ["hydra.run.dir: the launcher sets it (runs/<run id> in node 0's workdir, "
-                "brought back into the run dir's job/); leave it out"]
-    try:
-        trainer_config.validate(trainer_config.compose(args))
-    except ConfigError as e:
-        return [f"trainer arguments {' '.join(args)}: {e}".replace("\n", "\n    ")]
-    return []
 
 
 def _aws_problems(c: DictConfig) -> list[str]:

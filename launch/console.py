@@ -8,9 +8,9 @@ import signal
 from typing import TextIO
 
 
-def split_trainer_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """The command's own arguments, and the words after `--` (a command, or the trainer's
-    overrides: launch.contract.split_command tells which)."""
+def split_dashes(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The command's own arguments, and the words after `--`: the job's (a command, or
+    the trainer's overrides: launch/contract.py)."""
     if "--" not in argv:
         return argv, []
     at = argv.index("--")

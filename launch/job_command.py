@@ -1,8 +1,9 @@
-"""The command that starts a job across the nodes, one per launcher (job.launcher): the
-built-in trainer (`python -m spotring.trainer OVERRIDES`) or a command of the user's own (CMD).
+"""The command that starts a job's command (CMD) across the nodes, one per launcher
+(job.launcher). CMD is the user's, or the built-in trainer's, `spotring train OVERRIDES`
+(launch/contract.py): nothing here tells them apart.
 
 Each runs in the workdir (the same path on every node) with the node's .venv first on
-PATH and the contract's variables (launch/contract.py) set; G is a node's slots (its
+PATH and the contract's variables (spotring/contract.py) set; G is a node's slots (its
 GPUs), N*G all of them:
 
     horovodrun  node 0   horovodrun --gloo -np N*G --hostfile hosts CMD
@@ -12,10 +13,10 @@ GPUs), N*G all of them:
     none        node i   CMD, once per node, with NODE_RANK=i NNODES=N NPROC_PER_NODE=G
                          MASTER_ADDR=NODE0 MASTER_PORT (for a launcher of the command's own)
 
-For the trainer, CMD is `python -m spotring.trainer hydra.run.dir=RUN_DIR ARGS`, whose engine
-follows the launcher (horovod under horovodrun and mpirun, ddp under torchrun) unless
-ARGS name one. Rank 0 writes to RUN_DIR (runs/<run id> in node 0's workdir, or
-job.results), which `run` brings back.
+Rank 0 writes to SPOTRING_RUN_DIR (runs/<run id> in node 0's workdir, or job.results),
+which `run` brings back. The trainer's engine is its config's under every launcher (ddp
+unless its overrides say engine=horovod): horovodrun's rendezvous also carries DDP's
+store address, and under mpirun DDP takes its ranks from mpi4py.
 """
 
 from __future__ import annotations
@@ -26,15 +27,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from spotring.contract import RUN_DIR
-from spotring.exits import DIVERGED, EXIT_DIVERGED, EXIT_PREEMPTED, PREEMPTED
+from spotring.exits import with_note
 from spotring.launch.commands import LAUNCHER_ENV
 from spotring.launch.provider import Node
 
-ENGINES = {"horovodrun": "horovod", "mpirun": "horovod", "torchrun": "ddp", "none": "ddp"}
 TORCHRUN_PORT = 29400  # also MASTER_PORT under job.launcher=none
 HOROVOD_START_TIMEOUT_S = 120
-# The notes rank 0 leaves in its run dir (spotring/exits.py), and the exit code each says.
-NOTES = {PREEMPTED: EXIT_PREEMPTED, DIVERGED: EXIT_DIVERGED}
 
 
 def results_dir(run_id: str) -> str:
@@ -48,36 +46,26 @@ class JobCommand:
     commands: dict[int, str]  # node index -> shell command
 
     def exit_code(self, returncode: int, output: str, note: str | None = None) -> int:
-        """The trainer's exit code, so that the launcher can tell a lost rank (69), a
+        """The job's exit code, so that the launcher can tell a lost rank (69), a
         preemption (75) or a divergence (65) from a failure. horovodrun exits 1 whatever
         the ranks did and names the first failed rank's code in its last words; torchrun
         exits 1 too and names none reliably, but rank 0 leaves a note (``note``, one of
-        NOTES: preempted.json or diverged.json)."""
-        if returncode != 0 and note is not None:
-            return NOTES[note]
-        if self.launcher == "horovodrun" and returncode != 0:
+        spotring.exits.NOTES: preempted.json or diverged.json)."""
+        if self.launcher == "horovodrun" and returncode != 0 and note is None:
             codes = re.findall(r"^Exit code: (\d+)$", output, re.MULTILINE)
-            if codes:
-                return int(codes[-1])
-        return returncode
+            return int(codes[-1]) if codes else returncode
+        return with_note(returncode, note)
 
 
 def build(launcher: str, nodes: Sequence[Node], workdir: str, run_id: str,
-          args: Sequence[str], command: Sequence[str] = (), env: Mapping[str, str] | None = None,
+          command: Sequence[str], env: Mapping[str, str] | None = None,
           results: str | None = None) -> JobCommand:
-    """The job on ``nodes``: the trainer with ``args``, or ``command`` where one is given;
-    ``env`` joins every process's environment; ``results``: rank 0's run directory,
-    relative to the workdir (default results_dir(run_id))."""
+    """The job ``command`` on ``nodes``; ``env`` joins every process's environment;
+    ``results``: rank 0's run directory, relative to the workdir (default
+    results_dir(run_id))."""
     results = results or results_dir(run_id)
     env = {RUN_DIR: f"{workdir}/{results}", **(env or {})}
-    if command:
-        program = [str(a) for a in command]
-    else:
-        # The node's console script, not `python -m`: a project holding a spotring/
-        # folder (spotring's own checkout) would shadow the installed package from cwd.
-        program = ["spotring", "train", f"hydra.run.dir={results}", *args]
-        if not any(a.startswith("engine=") for a in args):
-            program.insert(2, f"engine={ENGINES[launcher]}")
+    program = [str(a) for a in command]
     total = sum(n.slots for n in nodes)
     if launcher == "horovodrun":
         # --gloo: Horovod's Gloo controller needs nothing on the nodes but ssh, and its

@@ -3,6 +3,8 @@ nodes, and the command that runs there. Every check here runs before any node, j
 trial exists, and raises ConfigError (exit 2) naming what is wrong.
 
     files           what goes to the nodes: git's files, or every file but the ignored
+    check_command   whether the command would start: the trainer's (any spotring
+                    subcommand's) own check of its arguments, else its script is here
     check           all that the launcher refuses a project for, in one ConfigError
     requirements    what the nodes pip-install for it: requirements.txt, or
                     pyproject.toml's [project].dependencies (the project itself runs from
@@ -24,10 +26,12 @@ import os
 import re
 import shlex
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 
+from spotring import cli
 from spotring.exits import ConfigError
 
 PYTHONS = ("python", "python3")
@@ -68,8 +72,13 @@ def script_of(command: list[str]) -> str | None:
     return first if "/" in first and not first.startswith("/") else None
 
 
-def check_command(root: Path, command: list[str]) -> None:
-    """ConfigError where the command's script (script_of) is not a file of ``root``."""
+def check_command(root: Path, command: list[str], world_sizes: Sequence[int] = ()) -> None:
+    """ConfigError where the command would not start: what a spotring subcommand says of
+    its own arguments on each of ``world_sizes`` workers (spotring.cli.check_command: the
+    trainer composes and validates its overrides), or, for any other command, that its
+    script (script_of) is not a file of ``root``."""
+    if cli.check_command(command, world_sizes):
+        return
     script = script_of(command)
     if script is not None and not (root / script).is_file():
         raise ConfigError(
@@ -102,9 +111,10 @@ def files(root: Path) -> dict[str, Path]:
 
 def check(root: Path, command: list[str], limit_mb: float) -> dict[str, Path]:
     """The project's files (``files``), or one ConfigError that names every reason the
-    launcher refuses them: over ``limit_mb`` in all (job.max_project_mb); the command's
-    script missing, or not sent; a requirements.txt that cannot be read or has a line pip
-    rejects (and so the -r/-c files it names); a pyproject.toml that is not TOML."""
+    launcher refuses them: over ``limit_mb`` in all (job.max_project_mb); the command
+    refusing its arguments (check_command), or its script missing, or not sent; a
+    requirements.txt that cannot be read or has a line pip rejects (and so the -r/-c
+    files it names); a pyproject.toml that is not TOML."""
     root = root.resolve()
     sent = files(root)
     problems = [*_size_problems(root, sent, limit_mb), *_script_problems(root, command, sent)]

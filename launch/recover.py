@@ -1,36 +1,36 @@
 """`launch` on spot nodes: run the job, and when nodes are taken away, get nodes again
-and resume, within two budgets counted apart.
+and resume, by the one restart policy of spotring.exits (``verdict``; what each exit
+code does: docs/exit-codes.md), within two budgets counted apart:
 
-    run the job (the trainer's resume=auto, or the command's own restore, picks up the
-    newest checkpoint; a command that keeps none starts again from the beginning)
-    exit 0                            done
-    exit 75: preempted (a spot        a preemption, up to cluster.max_preemptions: wait
-    notice or SIGTERM reached the     (up to cluster.notice_wait_s) for the noticed node
-    trainer, which saved a            to leave `running`, replace the lost nodes (on EC2:
-    checkpoint)                       the same type, else the next of
-                                      cluster.instance_types, in the run's zone); if none
-                                      can be had, go on with the survivors when they are
-                                      at least cluster.min_nodes
-    exit 69 (a rank was lost), any    a failure, up to cluster.max_restarts: the same,
-    other crash, or a node not        without the wait. The same exit at the same step as
-    running (or no longer reachable   the try before stops the run: a failure that repeats
-    by ssh) without a notice          where it happened is the job's own (a bug), and
-                                      another try would fail the same way
-    exit 2 (bad input), 65 (diverged) the job's own verdict: stop
+    cluster.max_preemptions   restarts after a preemption (exit 75: a spot notice or
+                              SIGTERM reached the job, which saved a checkpoint)
+    cluster.max_restarts      restarts after any other stop the policy runs again (a
+                              lost rank, a crash, a node gone or unreachable by ssh); not
+                              after a failure that repeats where it happened (the same
+                              exit at the same step as the try before, no node lost)
 
-(spotring.exits.classify is the rule: which exit is which, and the budget each spends.)
+Before each restart the lost nodes are found: those no longer `running` (or gone from the
+provider's list), and those whose metadata service announces a spot interruption notice
+(launch/notice.py), doomed whatever their state; after a preemption with neither, the
+launcher waits up to cluster.notice_wait_s for one. The lost nodes are taken down and
+replaced (on EC2: the same type, else the next of cluster.instance_types, in the run's
+zone); if none can be had, the job goes on with the survivors, where they are at least
+cluster.min_nodes and the job can run on them.
+
+The job's command is pinned once, at the first start (spotring.cli.pin_command: the
+trainer writes its global batch on that many workers into its overrides), and every
+restart runs the same pinned command: on fewer (or again more) workers the job splits
+the same global batch, and with the world-size-invariant sample order it continues the
+same sample sequence with the same steps (docs/design.md). At the start the launcher says
+on which node counts the job can go on (spotring.cli.check_command). A command resumes
+from its newest checkpoint (the trainer's resume=auto, or a script's job.restore());
+rank 0 keeps its checkpoints on node 0, and if node 0 itself is lost only
+job.checkpoint_uri=s3://... (the job's SPOTRING_CHECKPOINT_URI) keeps them.
 
 Each try is recorded in state.json ("tries": when it ran, on which nodes, how it ended,
-the step it reached and resumed from, the trainer's notice and checkpoint times), which
+the step it reached and resumed from, the job's notice and checkpoint times), which
 launch/ledger.py turns into the run's bill; the run's end says how much of each budget
 it spent.
-
-On fewer (or again more) workers the global batch stays what it was: train.accumulation
-(and, where it must, train.batch_size) make up for the missing workers, so with the
-world-size-invariant sample order the run continues the same sample sequence with the
-same maths (docs/design.md, "Why N workers take the same steps as one"). Rank 0 keeps its
-checkpoints on node 0; if node 0 itself is lost, only checkpoint.uri=s3://... keeps
-them (the trainer resumes from S3 on the new node 0).
 """
 
 from __future__ import annotations
@@ -40,116 +40,140 @@ import time
 
 from omegaconf import DictConfig
 
-from spotring.exits import EXIT_OK, MAX_PREEMPTIONS, MAX_RESTARTS, ConfigError, classify
-from spotring.global_batch import split_global_batch
-from spotring.launch import tries
+from spotring.cli import check_command, pin_command
+from spotring.exits import (
+    EXIT_FAILED,
+    EXIT_OK,
+    MAX_PREEMPTIONS,
+    MAX_RESTARTS,
+    ConfigError,
+    Launcher,
+    Verdict,
+)
+from spotring.launch import notice, tries
 from spotring.launch.provider import NoCapacity, Node, Provider
 from spotring.launch.run import run as run_job
+from spotring.launch.run import ssh_for
 from spotring.launch.rundir import RunDir
 from spotring.launch.ssh import RemoteError
 from spotring.launch.up import admit
 from spotring.polling import poll
-from spotring.trainer import config as trainer_config
 
 log = logging.getLogger("launch")
 
-PREEMPTION, FAILURE = "preemption", "failure"  # the causes of a restart, each its budget
-_BUDGET_KEYS = {PREEMPTION: MAX_PREEMPTIONS, FAILURE: MAX_RESTARTS}
-_CAUSES = {key: cause for cause, key in _BUDGET_KEYS.items()}
-# Trainer arguments the launcher sets itself on a restart.
-_OWN_ARGS = ("resume=", "train.batch_size=", "train.accumulation=")
+# How `spotring launch` applies the restart policy (docs/exit-codes.md).
+POLICY = Launcher("spotring launch", {MAX_PREEMPTIONS: "cluster.max_preemptions",
+                                      MAX_RESTARTS: "cluster.max_restarts"}, sees_steps=True)
+# The cause of a restart, as tries and the ledger record it, by the budget it spends.
+CAUSES = {MAX_PREEMPTIONS: "preemption", MAX_RESTARTS: "failure"}
 
 
 def supervise(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
     """Run the job on the run's nodes until it ends; replace lost nodes between tries.
-    Returns the last try's exit code; the last line logged says what each budget spent."""
-    command = list(cfg.job.command)  # a command of the user's own keeps its global batch
-    batch = None if command else _batch(cfg.job.args)
-    workers = sum(n.slots for n in run.nodes())
+    Returns the last try's exit code; the last line logged says what each budget spent.
+    ConfigError where the job cannot start on the nodes it got (its global batch, say)."""
+    nodes = run.nodes()
+    cfg.job.command = pin_command(list(cfg.job.command), _workers(nodes))
+    _say_node_counts(cfg, nodes)
     c = cfg.cluster
-    in_s3 = cfg.job.checkpoint_uri if command else any(
-        a.startswith("checkpoint.uri=") for a in cfg.job.args)
-    if (c.max_restarts or c.max_preemptions) and not in_s3:
-        log.info("recover: checkpoints stay on node 0; should node 0 itself be lost, the job "
-                 "starts over. %s=s3://bucket/prefix keeps them in S3 instead",
-                 "job.checkpoint_uri" if command else "checkpoint.uri")
-    budgets = {PREEMPTION: c.max_preemptions, FAILURE: c.max_restarts}
+    if (c.max_restarts or c.max_preemptions) and not cfg.job.checkpoint_uri:
+        log.info("recover: unless the job keeps its checkpoints elsewhere itself, they stay "
+                 "on node 0: should node 0 be lost, the job starts over. "
+                 "job.checkpoint_uri=s3://bucket/prefix keeps them in S3 too")
+    budgets = {MAX_PREEMPTIONS: c.max_preemptions, MAX_RESTARTS: c.max_restarts}
     spent = dict.fromkeys(budgets, 0)
     try:
         while True:
-            nodes = [n.id for n in run.nodes()]
+            nodes = run.nodes()
             started = time.time()
             try:
                 code, unreachable = run_job(cfg, run, provider), None
             except RemoteError as e:  # ssh to a node failed: lost, or a failure of its own
                 code, unreachable = None, e
-            outcome = tries.outcome(run, started, nodes, code)
-            cause, lost = _cause(code), []
-            stop = _why_stop(cause, code, spent, budgets)
-            if stop is None and cause is not None:
-                lost = _lost_nodes(cfg, run, provider, waiting=cause == PREEMPTION)
-                if not lost and cause == FAILURE:  # no node to blame
-                    stop = _repeated(code, outcome, run.tries(), spent[FAILURE],
-                                     budgets[FAILURE])
-            tries.record(run, outcome, None if stop else cause, [n.id for n in lost])
-            if code == 0:
-                return 0
-            if stop is not None:
+            outcome = tries.outcome(run, started, [n.id for n in nodes], code)
+            # ssh failing is a failure; whether a node explains it is told below.
+            answer = POLICY.verdict(EXIT_FAILED if code is None else code)
+            stop, lost = _out_of_budget(answer, spent, budgets), []
+            if stop is None and answer.budget is not None:
+                lost = _lost_nodes(cfg, run, provider,
+                                   waiting=answer.budget == MAX_PREEMPTIONS)
+                if not lost:  # nothing the machines did explains it
+                    stop = _unexplained(code, outcome, run.tries())
+            restart = None if stop or answer.budget is None else CAUSES[answer.budget]
+            tries.record(run, outcome, restart, [n.id for n in lost])
+            if code == EXIT_OK:
+                return code
+            if restart is None:
                 log.info("recover: %s: %s; stopping", _ended(code, outcome, unreachable), stop)
                 if code is None:
                     raise unreachable
                 return code
-            spent[cause] += 1
-            log.info("recover: %s %d of %d (cluster.%s): %s, lost %s", cause, spent[cause],
-                     budgets[cause], _BUDGET_KEYS[cause], _ended(code, outcome, unreachable),
+            spent[answer.budget] += 1
+            log.info("recover: %s %d of %d (%s): %s, lost %s", restart, spent[answer.budget],
+                     budgets[answer.budget], POLICY.budgets[answer.budget],
+                     _ended(code, outcome, unreachable),
                      ", ".join(n.id for n in lost) or "no node (every node still runs)")
-            now = _replace(cfg, run, provider, lost)
-            if batch is not None:
-                cfg.job.args = _restart_args(cfg.job.args, batch, workers,
-                                             sum(n.slots for n in now))
+            _replace(cfg, run, provider, lost)
     finally:
         log.info("recover: the run spent %s", ", ".join(
-            f"{spent[k]} of {budgets[k]} {k}s (cluster.{_BUDGET_KEYS[k]})" for k in budgets))
+            f"{spent[b]} of {budgets[b]} {CAUSES[b]}s ({POLICY.budgets[b]})" for b in budgets))
 
 
-def _cause(code: int | None) -> str | None:
-    """What a try's exit makes of a restart, by the budget spotring.exits.classify gives
-    it: a preemption, a failure (also ssh failing: code None), or none (done, or the
-    job's own verdict on its input or its loss)."""
-    if code is None:
-        return FAILURE
-    budget = classify(code).budget
-    return None if budget is None else _CAUSES[budget]
+def _workers(nodes: list[Node]) -> int:
+    return sum(n.slots for n in nodes)
 
 
-def _why_stop(cause: str | None, code: int | None, spent: dict[str, int],
-              budgets: dict[str, int]) -> str | None:
-    """Why the run stops after this try, whatever it lost (None: it goes on, or it is
-    done)."""
-    if code == EXIT_OK:
-        return None
-    if cause is None:
-        return ("the job's own verdict (bad input or a diverged loss); another try would "
-                "end the same")
-    if spent[cause] >= budgets[cause]:
-        return (f"no {cause}s left ({spent[cause]} of cluster.{_BUDGET_KEYS[cause]}="
-                f"{budgets[cause]} spent)")
+def _why_not_on(command: list[str], workers: int) -> str | None:
+    """Why the job cannot run on ``workers`` workers, as its command says
+    (spotring.cli.check_command); None where it can, or says nothing of it."""
+    try:
+        check_command(command, [workers])
+    except ConfigError as e:
+        return str(e)
     return None
 
 
-def _repeated(code: int | None, outcome: dict, before: list[dict], spent: int,
-              budget: int) -> str | None:
-    """Why a failure that lost no node stops the run: ssh failed to a node that runs, or
-    the job failed as the try before did, with the same exit at the same step (a bug in
-    the job, not the cloud: another try would fail the same way)."""
+def _say_node_counts(cfg: DictConfig, nodes: list[Node]) -> None:
+    """Log on which node counts, down to cluster.min_nodes, the job can go on when no
+    replacement can be had; ConfigError where it cannot start on ``nodes`` at all."""
+    command, slots = list(cfg.job.command), nodes[0].slots
+    if (why := _why_not_on(command, _workers(nodes))) is not None:
+        raise ConfigError(f"the job cannot run on the {len(nodes)} nodes it got "
+                          f"({_workers(nodes)} workers): {why}")
+    fewer = range(len(nodes) - 1, cfg.cluster.min_nodes - 1, -1)
+    refused = {n: why for n in fewer if (why := _why_not_on(command, n * slots)) is not None}
+    can = [str(n) for n in fewer if n not in refused]
+    said = (f"with no replacement to be had it can go on with {' or '.join(can) or 'no fewer'}"
+            f" nodes (cluster.min_nodes={cfg.cluster.min_nodes})")
+    if refused:
+        first = next(iter(refused))
+        said += (f"; not with {' or '.join(map(str, refused))}, which the job refuses (on "
+                 f"{first}: {refused[first]})")
+    log.info("recover: the job runs on %d nodes, %d workers; %s", len(nodes),
+             _workers(nodes), said)
+
+
+def _out_of_budget(answer: Verdict, spent: dict[str, int],
+                   budgets: dict[str, int]) -> str | None:
+    """Why the run stops after this try, whatever it lost (None: the policy runs it again
+    and the budget allows, or the job is done)."""
+    if answer.budget is None:
+        return answer.why
+    if spent[answer.budget] >= budgets[answer.budget]:
+        return (f"no {CAUSES[answer.budget]}s left ({spent[answer.budget]} of "
+                f"{POLICY.budgets[answer.budget]}={budgets[answer.budget]} spent)")
+    return None
+
+
+def _unexplained(code: int | None, outcome: dict, before: list[dict]) -> str | None:
+    """Why a stop that lost no node ends the run: ssh failed to a node that runs, or the
+    policy refuses a repeat of the try before (the same exit at the same step)."""
     if code is None:
         return "ssh failed to a node that still runs"
     last = before[-1] if before else None
-    if last is not None and (last["exit"], last["step"]) == (code, outcome["step"]):
-        return (f"the same exit at the same step as the try before, which looks like a bug "
-                f"in the job, not the cloud; not spending cluster.max_restarts on it "
-                f"({spent} of {budget} spent)")
-    return None
+    repeated = last is not None and (last["exit"], last["step"]) == (code, outcome["step"])
+    answer = POLICY.verdict(code, repeated)
+    return None if answer.budget is not None else answer.why
 
 
 def _ended(code: int | None, outcome: dict, unreachable: RemoteError | None) -> str:
@@ -161,12 +185,22 @@ def _ended(code: int | None, outcome: dict, unreachable: RemoteError | None) -> 
 
 def _lost_nodes(cfg: DictConfig, run: RunDir, provider: Provider,
                 waiting: bool) -> list[Node]:
-    """The run's nodes that no longer run: not `running`, or gone from the provider's
-    list altogether (EC2 stops listing terminated instances after a while). After a
-    spot notice (exit 75) the instance still runs for up to two minutes: wait for it."""
+    """The run's nodes that are lost: not `running`, gone from the provider's list
+    altogether (EC2 stops listing terminated instances after a while), or announcing a
+    spot interruption notice (doomed: launch/notice.py). After a preemption (``waiting``)
+    with none of them, up to cluster.notice_wait_s for one (a notice of EC2's that the
+    job saw before the node's own service shows it, or SIGTERM when EC2 takes it)."""
+    ssh = ssh_for(cfg, run)
+
     def lost() -> list[Node] | None:
         running = {n.id for n in provider.describe() if n.state == "running"}
-        return [n for n in run.nodes() if n.id not in running] or None
+        noticed = notice.noticed(ssh, [n for n in run.nodes() if n.id in running],
+                                 provider.workdir)
+        for node in run.nodes():
+            if node.id in noticed:
+                log.info("recover: node %s announces a spot interruption notice (%s): it "
+                         "is doomed, and is taken down", node.id, noticed[node.id])
+        return [n for n in run.nodes() if n.id not in running or n.id in noticed] or None
 
     try:
         return poll(lost, timeout_s=cfg.cluster.notice_wait_s if waiting else 0,
@@ -177,8 +211,9 @@ def _lost_nodes(cfg: DictConfig, run: RunDir, provider: Provider,
 
 def _replace(cfg: DictConfig, run: RunDir, provider: Provider, lost: list[Node]) -> list[Node]:
     """The nodes to restart on: the survivors and replacements for the lost, or the
-    survivors alone when no replacement can be had and they are enough. The lost nodes
-    leave the bill now, when they were found lost, not once their replacements run."""
+    survivors alone when no replacement can be had, they are at least cluster.min_nodes
+    and the job can run on them. The lost nodes leave the bill now, when they were found
+    lost, not once their replacements run."""
     found_at = time.time()
     gone = {n.id for n in lost}
     survivors = [n for n in run.nodes() if n.id not in gone]
@@ -186,45 +221,21 @@ def _replace(cfg: DictConfig, run: RunDir, provider: Provider, lost: list[Node])
         return survivors
     if run.nodes()[0].id in gone:
         log.info("recover: node 0 was lost, and with it the checkpoints on its disk; the "
-                 "job resumes from checkpoint.uri if it has one, else from the start")
+                 "job resumes from its checkpoint URI if it has one, else from the start")
     try:
-        new = provider.replace(lost)
+        new = provider.replace(lost)  # takes the lost nodes down first
     except NoCapacity as e:
-        if len(survivors) < cfg.cluster.min_nodes:
-            raise NoCapacity(f"no replacement for {len(lost)} lost node(s), and "
-                             f"{len(survivors)} left is below cluster.min_nodes="
-                             f"{cfg.cluster.min_nodes}: {e}") from e
-        log.info("recover: no replacement to be had (%s); going on with %d node(s) "
-                 "(cluster.min_nodes=%d)", e, len(survivors), cfg.cluster.min_nodes)
+        why = (f"{len(survivors)} left is below cluster.min_nodes={cfg.cluster.min_nodes}"
+               if len(survivors) < cfg.cluster.min_nodes
+               else _why_not_on(list(cfg.job.command), _workers(survivors)))
+        if why is not None:
+            raise NoCapacity(f"no replacement for {len(lost)} lost node(s), and {why}: "
+                             f"{e}") from e
+        log.info("recover: no replacement to be had (%s); going on with %d node(s), %d "
+                 "workers (cluster.min_nodes=%d)", e, len(survivors), _workers(survivors),
+                 cfg.cluster.min_nodes)
         new = []
-    nodes = survivors + new
     run.retire(lost, at=found_at)
+    nodes = survivors + new
     admit(cfg, run, nodes, new)
     return nodes
-
-
-def _batch(args: list[str]) -> tuple[int, int]:
-    """(train.batch_size, train.accumulation) as the trainer composes them from ``args``."""
-    train = trainer_config.compose(list(args)).train
-    return train.batch_size, train.accumulation
-
-
-def _restart_args(args: list[str], batch: tuple[int, int], workers: int,
-                  now: int) -> list[str]:
-    """The trainer arguments of a restart on ``now`` workers: resume=auto, and the global
-    batch of ``workers`` x ``batch`` kept, split by spotring.global_batch.split_global_batch
-    into the fewest accumulation steps whose micro-batch is no larger than before (so that
-    it fits in memory). RuntimeError where ``now`` workers cannot share it equally."""
-    size, steps = batch
-    try:
-        size, steps = split_global_batch(size * workers * steps, now, batch_size=size)
-    except ConfigError as e:  # not bad input (exit 2: nothing was started): the run ran
-        raise RuntimeError(f"the run cannot continue on {now} workers with the same maths: {e} "
-                           "A higher cluster.min_nodes keeps it on more workers.") from e
-    if now != workers:
-        log.info("recover: %d workers instead of %d: train.batch_size=%d "
-                 "train.accumulation=%d keep the global batch at %d, so the run goes on "
-                 "with the same samples in the same steps", now, workers, size, steps,
-                 size * steps * now)
-    kept = [a for a in args if not a.startswith(_OWN_ARGS)]
-    return [*kept, "resume=auto", f"train.batch_size={size}", f"train.accumulation={steps}"]

@@ -5,14 +5,14 @@
        node 0; the run's key and known_hosts to every node
     2. cluster.setup on every node, then its .venv: built, copied from a node that has
        it, or already there (launch/node_env.py); each node's output in setup-<id>.log
-    3. the job command (launch.job_command: the trainer or the user's command) on node
-       0, or on every node for torchrun and none; node 0's output streams here and into
-       job.log, the others' into job-node-I.log
+    3. the job's command (launch/job_command.py) on node 0, or on every node for
+       torchrun and none; node 0's output streams here and into job.log, the others'
+       into job-node-I.log
     4. rank 0's run directory back from node 0 into the run dir's job/, also after a
        failure
 
-Returns the job's exit code: 0 done, 1 failed, 2 bad input, 65 diverged, 69 a rank was
-lost, 75 preempted (spotring/exits.py); a failure's last lines are logged with it.
+Returns the job's exit code (docs/exit-codes.md); a failure's last lines are logged
+with it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from spotring import contract
-from spotring.exits import ConfigError, Outcome, classify
+from spotring.exits import NOTES, ConfigError, Outcome, classify
 from spotring.launch import job_command, node_env, project, sync, wheel
 from spotring.launch.provider import Node, Provider
 from spotring.launch.rundir import RunDir
@@ -53,16 +53,16 @@ def job_for(cfg: DictConfig, run: RunDir, provider: Provider,
     env = contract.environment(run.id, f"{provider.workdir}/{results}", len(run.tries()),
                                cfg.job.checkpoint_uri)
     return job_command.build(cfg.job.launcher, nodes, provider.workdir, run.id,
-                             list(cfg.job.args), list(cfg.job.command), env, results)
+                             list(cfg.job.command), env, results)
 
 
 def prepare(cfg: DictConfig, run: RunDir, provider: Provider, nodes: list[Node],
             ssh: Ssh) -> None:
     """Steps 1 and 2 of the module docstring: the nodes ready to start the job."""
-    root = Path.cwd()
-    launcher, command = cfg.job.launcher, list(cfg.job.command)
-    # Horovod where horovodrun starts the job, or the trainer's engine follows mpirun.
-    horovod = launcher == "horovodrun" or (launcher == "mpirun" and not command)
+    root, launcher = Path.cwd(), cfg.job.launcher
+    # Horovod where one of its launchers starts the job (horovodrun, or mpirun, which
+    # Horovod documents too: a job of either may run engine=horovod); mpi4py under mpirun.
+    horovod = launcher in ("horovodrun", "mpirun")
     env = node_env.Environment.of(
         wheel.build(run.path / "dist"), root, project.requirements(root),
         cfg.cluster.python or sys.executable,
@@ -91,8 +91,8 @@ def run(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
     results = results_of(cfg, run)
     remote = shlex.quote(f"{provider.workdir}/{results}")
     # Rank 0's notes from a try before this one.
-    ssh.run(nodes[0], "rm -f " + " ".join(f"{remote}/{note}" for note in job_command.NOTES))
-    for note in job_command.NOTES:
+    ssh.run(nodes[0], "rm -f " + " ".join(f"{remote}/{note}" for note in NOTES))
+    for note in NOTES:
         (run.job / note).unlink(missing_ok=True)
     log.info("run: on node 0 (%s): %s", nodes[0].address, job.commands[0])
     try:
@@ -104,7 +104,7 @@ def run(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
             log.info("run: could not bring the results back: %s", e)
         raise
     _bring_back(ssh, nodes[0], provider.workdir, run, results)
-    note = next((n for n in job_command.NOTES if (run.job / n).exists()), None)
+    note = next((n for n in NOTES if (run.job / n).exists()), None)
     code = job.exit_code(*status, note=note)
     if classify(code) not in (Outcome.DONE, Outcome.PREEMPTED):  # why, where it is read
         last = "\n".join("  " + line for line in status[1].splitlines()[-10:])

@@ -1,5 +1,5 @@
-"""spotring sbatch: the trainer, or a command of the user's own, as a SLURM batch job that
-survives preemption.
+"""spotring sbatch: a job's command (the built-in trainer's, or a user's own) as a SLURM
+batch job that survives preemption.
 
     spotring sbatch nodes=2 gpus_per_node=8 partition=gpu time=12:00:00 -- dataset=cifar10
     spotring sbatch nodes=2 gpus_per_node=8 -- python train.py --epochs 3   a command
@@ -7,10 +7,10 @@ survives preemption.
                                                   requeue, with the same global batch
     spotring sbatch nodes=2 --dry-run             print the script; submit nothing
 
-After `--`, the trainer's overrides or a command (launch.contract.split_command). It
-writes RUN_DIR/sbatch.sh (run_dir: runs/slurm/JOB_NAME, which must be on storage every
-node shares, or give the trainer checkpoint.uri=s3://..., a command checkpoint_uri=) and
-submits it. The script asks SLURM for:
+After `--`, the job's command, or the trainer's overrides, which make it `spotring train
+OVERRIDES` (launch/contract.py). It writes RUN_DIR/sbatch.sh (run_dir:
+runs/slurm/JOB_NAME, which must be on storage every node shares, or give
+checkpoint_uri=s3://...) and submits it. The script asks SLURM for:
 
     --cpus-per-task, --mem  cpus_per_task CPUs and mem_per_task memory for every task
                             (--mem: per node, tasks x mem_per_task); srun is given
@@ -22,42 +22,41 @@ submits it. The script asks SLURM for:
     --nodes=MIN-MAX         with min_nodes; per node --mincpus=TASKS x CPUS rather than
                             --ntasks-per-node, which would start it on MIN nodes
 
-and runs `srun python -m spotring.trainer resume=auto ...`, or `srun CMD` word for word in the
-submit directory: one task per GPU (or tasks_per_node on CPUs), the process group formed
-from SLURM's variables (spotring/runtime.py), with the contract's variables
-(launch/contract.py): SPOTRING_RUN_ID the job id (the same across requeues),
-SPOTRING_RUN_DIR, SPOTRING_RESTART SLURM's restart count, SPOTRING_CHECKPOINT_URI. Open
-MPI's consent to run as root is exported only where the job runs as root.
+and runs `srun CMD` in the submit directory, with the environment of the submission and
+the bin directory of the Python that submits first on PATH (where `spotring` is): one
+task per GPU (or tasks_per_node on CPUs), the process group formed from SLURM's
+variables (spotring/runtime.py), with the contract's variables (spotring/contract.py):
+SPOTRING_RUN_ID the job id (the same across requeues), SPOTRING_RUN_DIR,
+SPOTRING_RESTART SLURM's restart count, SPOTRING_CHECKPOINT_URI. Open MPI's consent to
+run as root is exported only where the job runs as root.
+
+CMD is pinned at submission (spotring.cli.pin_command): the trainer's overrides get the
+global batch on all the nodes asked for (train.global_batch), so that on fewer nodes after
+a requeue the trainer takes the same samples in more micro-steps; a node range whose
+counts the command refuses (spotring.cli.check_command) is refused at submission.
 
 SIGTERM or SIGUSR1, from `scancel --signal=TERM JOBID`, a preempting partition or the time
 limit, is a spot notice to the trainer (and to a script on spotring.init): a checkpoint at
-once, exit 75, and the script requeues the job, which resumes from the checkpoint (also
-after a lost rank; up to max_restarts times). A stop at the time limit (the job's end was
-within signal_s + 60 s: SLURM signals up to a minute early) is not requeued unless
+once, exit 75, and the script requeues the job, which resumes from the checkpoint. Which
+exits are requeued is the restart policy of spotring.exits as this script can apply it
+(POLICY: one budget, max_restarts, and no step to tell a failure that repeats, so a
+failure is never requeued; docs/exit-codes.md). A stop at the time limit (the job's end
+was within signal_s + 60 s: SLURM signals up to a minute early) is not requeued unless
 requeue_at_time_limit=true, so the job holds its nodes no longer than the user asked:
 (1 + max_restarts) x time x nodes at most, which the script's header and the command say.
-A run past max_restarts (SLURM's own requeues after NODE_FAIL count) does not start.
-On fewer nodes the trainer keeps the global batch (train.global_batch) with more
-accumulation; a node range whose counts cannot share it is refused at submission (a
-command keeps its own: spotring's job.loader does on any world size). A signal for the
-batch shell (`--signal=B:...`, `scancel --full`) would end srun and the job with it: the
-signal goes to the tasks, which is SLURM's default.
+A run past max_restarts (SLURM's own requeues after NODE_FAIL count) does not start. A
+signal for the batch shell (`--signal=B:...`, `scancel --full`) would end srun and the job
+with it: the signal goes to the tasks, which is SLURM's default.
 
 srun returns the highest exit status of its tasks (128+N for a task ended by signal N).
 It runs with --kill-on-bad-exit=0: a rank that exits 75 first must not have srun SIGTERM
 the others while they shut down (they would die of it, 143, and the job would not be
 requeued); a lost rank makes the others exit 69 by themselves, within engine.timeout_s.
-So a rank SIGKILLed (the OOM killer, kill -9) comes back as 137, a rank that saw its peer
-go as 69: both are requeued, as 75 is, and so are 143 and 138: SIGTERM or SIGUSR1 before
-the trainer catches them (it does from its first step on; a signal during its start-up
-ends it at once, with nothing new to save, and without the requeue a preemption then would
-end the job for good). Not 2 (bad input), 1 (a crash) or 65 (diverged): only the exits
-spotring.exits.classify calls transient. A crash of one rank can still come back as 69
-from the others: it is requeued, max_restarts times at most.
 
 Bad input exits 2 before anything is submitted: no sbatch here, more tasks per node than
-GPUs, a time or memory SLURM would not read, `python X.py` with no X.py in the submit
-directory, an option or partition SLURM refuses (`sbatch --test-only` says which).
+GPUs, a time or memory SLURM would not read, the command refusing its arguments (a bad
+trainer override) or `python X.py` with no X.py in the submit directory, an option or
+partition SLURM refuses (`sbatch --test-only` says which).
 """
 
 from __future__ import annotations
@@ -77,24 +76,42 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
 from spotring import contract
-from spotring.exits import CODES, EXIT_CONFIG, EXIT_FAILED, EXIT_PREEMPTED, ConfigError
-from spotring.global_batch import split_global_batch
+from spotring.cli import pin_command
+from spotring.exits import (
+    CODES,
+    EXIT_CONFIG,
+    EXIT_FAILED,
+    EXIT_PREEMPTED,
+    MAX_PREEMPTIONS,
+    MAX_RESTARTS,
+    ConfigError,
+    Launcher,
+)
 from spotring.launch import project
-from spotring.launch.commands import AS_ROOT, LAUNCHER_ENV
-from spotring.launch.console import split_trainer_args
-from spotring.launch.contract import split_command
+from spotring.launch.commands import AS_ROOT, BIN, LAUNCHER_ENV
+from spotring.launch.console import split_dashes
+from spotring.launch.contract import command_of, split_command
 from spotring.options import one_of
-from spotring.trainer import config as trainer_config
 from spotring.trainer.compose import compose_checked
 
 # The warnings the trainer takes as a spot notice; --signal sends one to every task.
 SIGNALS = ("TERM", "USR1")
-# The exits the script requeues: the transient ones (spotring.exits.Outcome), srun's
-# 128 + N for a task ended by signal N among them. Not a plain failure: the script cannot
-# tell a bug that would fail the same way again.
-REQUEUE = {code: outcome for code, outcome in CODES.items() if outcome.transient}
+# How `spotring sbatch` applies the restart policy (docs/exit-codes.md).
+POLICY = Launcher(
+    "spotring sbatch", {MAX_PREEMPTIONS: "max_restarts", MAX_RESTARTS: "max_restarts"},
+    sees_steps=False,
+    reason="one budget, `max_restarts`, for every requeue: SLURM keeps one count of them "
+           "(`SLURM_RESTART_COUNT`, its own requeues after a node failure included), and "
+           "the bound on the node-time a job holds, (1 + max_restarts) x time x nodes, "
+           "rests on it. Its batch script cannot see the step a try stopped at, so it "
+           "cannot tell a failure that would repeat from one that would pass: it requeues "
+           "the machines' stops only, never a failure that may be a bug (`sbatch "
+           "RUN_DIR/sbatch.sh` runs it again by hand). A stop at the time limit is not "
+           "requeued unless `requeue_at_time_limit=true`.")
+# The exits the script requeues, srun's 128 + N for a task ended by signal N among them.
+REQUEUE = [code for code in CODES if POLICY.verdict(code).budget is not None]
 # SLURM may send the --signal warning up to this much earlier than signal_s before the
-# end: a transient exit within signal_s + this of the end is the time limit's.
+# end: a requeued exit within signal_s + this of the end is the time limit's.
 SIGNAL_EARLY_S = 60
 # The contract's values the script expands at run time: the job id, the same across
 # requeues, and SLURM's count of them.
@@ -122,13 +139,13 @@ class SbatchConfig:
     job_name: str = "spotring"
     run_dir: str = "runs/slurm/${job_name}"  # on storage every node shares
     options: list[str] = field(default_factory=list)  # more sbatch options: [--account=x]
-    # Requeues after a preemption (exit 75) or a lost rank (69) before the job gives up.
-    # A node that fails outright (NODE_FAIL) is requeued by SLURM itself; they count too.
+    # Requeues (after a preemption, a lost rank: docs/exit-codes.md) before the job gives
+    # up. A node that fails outright (NODE_FAIL) is requeued by SLURM itself; they count too.
     max_restarts: int = 3
     # Requeue a stop at the time limit too (max_restarts times at most). Off: the job ends
     # there, as its user asked, and `sbatch RUN_DIR/sbatch.sh` resumes it.
     requeue_at_time_limit: bool = False
-    checkpoint_uri: str | None = None  # a command's $SPOTRING_CHECKPOINT_URI (s3://...)
+    checkpoint_uri: str | None = None  # s3://...: the job's $SPOTRING_CHECKPOINT_URI
 
 
 def register() -> None:
@@ -141,10 +158,8 @@ def compose(overrides: list[str]) -> DictConfig:
                            "The keys: spotring sbatch --help (launch/slurm.py).")
 
 
-def script(cfg: DictConfig, trainer_args: list[str], command: list[str], python: str,
-           workdir: Path) -> str:
-    """The batch script, in full: ``command`` where there is one, else the trainer with
-    ``trainer_args``."""
+def script(cfg: DictConfig, command: list[str], workdir: Path) -> str:
+    """The batch script, in full, that runs ``command`` (as ``check`` pinned it)."""
     tasks = _tasks(cfg)
     run_dir = Path(cfg.run_dir).resolve()
     if cfg.min_nodes:
@@ -181,13 +196,15 @@ def script(cfg: DictConfig, trainer_args: list[str], command: list[str], python:
         # Open MPI's consent to root only for a job that runs as root.
         f"if (( $(id -u) == 0 )); then export "
         f"{' '.join(f'{k}={v}' for k, v in AS_ROOT.items())}; fi",
-        "export " + " ".join(f"{k}={_shell(v)}" for k, v in env.items()),
+        # The submitting Python's scripts first: `spotring`, and the `python` that has it.
+        f'export PATH={shlex.quote(str(BIN))}:"$PATH" '
+        + " ".join(f"{k}={_shell(v)}" for k, v in env.items()),
         f'echo "$(date "+%F %T") spotring sbatch: job $SLURM_JOB_ID (restart '
         f'${contract.RESTART}) on $SLURM_JOB_NUM_NODES nodes: $SLURM_JOB_NODELIST"',
         *_start_guard(cfg, run_dir),
         # srun takes --cpus-per-task from here, not from sbatch (SLURM 22.05 on).
         f"srun --ntasks-per-node={tasks} --cpus-per-task={cfg.cpus_per_task} "
-        f"--kill-on-bad-exit=0 {_program(cfg, trainer_args, command, python, run_dir)}",
+        f"--kill-on-bad-exit=0 {shlex.join(command)}",
         "code=$?",
         'echo "$(date "+%F %T") spotring sbatch: srun exit $code"',
         *_requeue(cfg, run_dir),
@@ -200,18 +217,6 @@ def script(cfg: DictConfig, trainer_args: list[str], command: list[str], python:
 def _shell(value: str) -> str:
     """``value`` as the script writes it: expanded there where it is one of SLURM's."""
     return f'"{value}"' if value in (JOB_ID, RESTART_COUNT) else shlex.quote(value)
-
-
-def _program(cfg: DictConfig, trainer_args: list[str], command: list[str], python: str,
-             run_dir: Path) -> str:
-    """What srun starts on every task."""
-    if command:
-        return shlex.join(command)
-    args = shlex.join([f"hydra.run.dir={run_dir}", "resume=auto", *trainer_args])
-    # train.global_batch: on fewer nodes than asked for (after a requeue) the trainer
-    # takes the same global batch in more micro-steps per optimizer step.
-    return (f"{shlex.quote(python)} -m spotring.trainer {args} "
-            f"train.global_batch={global_batch(cfg, trainer_args)}")
 
 
 def _start_guard(cfg: DictConfig, run_dir: Path) -> list[str]:
@@ -231,23 +236,23 @@ def _start_guard(cfg: DictConfig, run_dir: Path) -> list[str]:
 
 
 def _requeue(cfg: DictConfig, run_dir: Path) -> list[str]:
-    """The lines that requeue the job after a transient exit, and say why where they do
-    not."""
+    """The lines that requeue the job after an exit the policy runs again (REQUEUE), and
+    say why where they do not."""
     resume = f"sbatch {run_dir}/sbatch.sh resumes it"
-    lines = [*(f"# {' or '.join(str(c) for c, o in REQUEUE.items() if o is outcome)}: "
-               f"{outcome.what}" for outcome in dict.fromkeys(REQUEUE.values())),
-             f"transient=$(( {' || '.join(f'code == {c}' for c in REQUEUE)} ))",
-             f"if (( transient && {RESTART_COUNT} >= {cfg.max_restarts} )); then",
+    lines = ["# Requeued (docs/exit-codes.md): "
+             + "; ".join(f"{c} {CODES[c].outcome.what}" for c in REQUEUE),
+             f"requeue=$(( {' || '.join(f'code == {c}' for c in REQUEUE)} ))",
+             f"if (( requeue && {RESTART_COUNT} >= {cfg.max_restarts} )); then",
              f'    echo "$(date "+%F %T") spotring sbatch: not requeued: max_restarts='
              f'{cfg.max_restarts} used up; {resume}"']
     if not cfg.requeue_at_time_limit:
         window = cfg.signal_s + SIGNAL_EARLY_S
-        lines += [f'elif (( transient )) && [[ $end == *T* ]] && '
+        lines += [f'elif (( requeue )) && [[ $end == *T* ]] && '
                   f'(( $(date +%s) >= $(date -d "$end" +%s) - {window} )); then',
                   f'    echo "$(date "+%F %T") spotring sbatch: stopped at the time limit: '
                   f'not requeued (requeue_at_time_limit=false); {resume}"']
     return [*lines,
-            "elif (( transient )); then",
+            "elif (( requeue )); then",
             '    echo "$(date "+%F %T") spotring sbatch: requeueing job $SLURM_JOB_ID to '
             'resume from its last checkpoint"',
             "    scontrol requeue $SLURM_JOB_ID",
@@ -284,8 +289,10 @@ def seconds(time: str) -> int | None:
     return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + secs
 
 
-def check(cfg: DictConfig, trainer_args: list[str], command: list[str], workdir: Path) -> None:
-    """Everything that can be told before submitting; raises ConfigError."""
+def check(cfg: DictConfig, command: list[str], workdir: Path) -> list[str]:
+    """Everything that can be told before submitting; raises ConfigError. Returns the
+    command pinned on all the nodes asked for (spotring.cli.pin_command), which every
+    run of the job runs, on however many nodes it gets."""
     problems = []
     for key in ("nodes", "signal_s", "cpus_per_task"):
         if cfg[key] < 1:
@@ -309,30 +316,18 @@ def check(cfg: DictConfig, trainer_args: list[str], command: list[str], workdir:
     if cfg.time is not None and seconds(cfg.time) is None:
         problems.append(f"time={cfg.time}: valid: {TIMES} (leave it out for the "
                         "partition's default)")
-    if cfg.checkpoint_uri and not command:
-        problems.append(f"checkpoint_uri={cfg.checkpoint_uri}: for a command; the trainer "
-                        "takes checkpoint.uri=... after --")
     if problems:
         raise ConfigError("bad sbatch settings:\n  - " + "\n  - ".join(problems))
-    if command:
-        project.check_command(workdir, command)
-        return
-    trainer_config.validate(trainer_config.compose(trainer_args))
-    tasks, batch = _tasks(cfg), global_batch(cfg, trainer_args)
-    for nodes in range(cfg.min_nodes or cfg.nodes, cfg.nodes + 1):
-        split_global_batch(batch, nodes * tasks)  # every node count the job may come back on
+    tasks = _tasks(cfg)
+    # Every node count the job may come back on; the first start's (all of them) first.
+    counts = range(cfg.nodes, (cfg.min_nodes or cfg.nodes) - 1, -1)
+    project.check_command(workdir, command, [nodes * tasks for nodes in counts])
+    return pin_command(command, cfg.nodes * tasks)
 
 
 def _tasks(cfg: DictConfig) -> int:
     """Tasks (ranks) per node."""
     return cfg.tasks_per_node or cfg.gpus_per_node or 1
-
-
-def global_batch(cfg: DictConfig, trainer_args: list[str]) -> int:
-    """The trainer's global batch on all the nodes asked for: what every run of the job
-    keeps, on however many nodes it gets."""
-    train = trainer_config.compose(trainer_args).train
-    return train.global_batch or train.batch_size * _tasks(cfg) * cfg.nodes * train.accumulation
 
 
 def submit(text: str, run_dir: Path, dry_run: bool) -> int:
@@ -364,8 +359,7 @@ def submit(text: str, run_dir: Path, dry_run: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    ours, words = split_trainer_args(argv)
-    trainer_args, command = split_command(words)
+    ours, words = split_dashes(argv)
     parser = argparse.ArgumentParser(prog="spotring sbatch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true",
@@ -381,8 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 0
     try:
         cfg = compose(args.overrides)
-        check(cfg, trainer_args, command, Path.cwd())
-        text = script(cfg, trainer_args, command, sys.executable, Path.cwd())
+        command = check(cfg, command_of(*split_command(words)), Path.cwd())
+        text = script(cfg, command, Path.cwd())
         job = submit(text, Path(cfg.run_dir).resolve(), args.dry_run)
     except ConfigError as e:
         print(f"spotring sbatch: error: {e}", file=sys.stderr)

@@ -13,6 +13,9 @@ Your own script, a few lines added (docs/api.md; examples/):
         if job.should_stop():                            # a spot notice on any rank
             job.save_and_exit()                          # checkpoint, exit 75
 
+Options, typed: ``spotring.init(engine=spotring.DDPOptions(bucket_mb=50),
+checkpoint=spotring.CheckpointOptions(keep=5))``, or the same as keywords.
+
 The package is also the base the rest of spotring stands on: trainer/ (the built-in
 Hydra trainer) uses these modules, launch/ starts jobs and acts on their exit codes
 (spotring/exits.py), benchmarks/ measures them. The ``spotring`` command is
@@ -20,15 +23,18 @@ spotring/cli.py. Names below are imported on first use, so that the command (and
 ``import spotring`` in a launcher) does not load torch.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+import typing as _typing
 
 # public name: module that defines it
 _EXPORTS = {
     "init": "spotring.job",
     "Job": "spotring.job",
+    "EngineOptions": "spotring.options",
+    "DDPOptions": "spotring.engines.ddp",
+    "HorovodOptions": "spotring.engines.horovod",
+    "CheckpointOptions": "spotring.options",
+    "PreemptionOptions": "spotring.options",
     "DataLoader": "spotring.loader",
     "GlobalBatchSampler": "spotring.sampler",
     "split_global_batch": "spotring.global_batch",
@@ -45,24 +51,34 @@ _EXPORTS = {
 
 __all__ = list(_EXPORTS)
 
-if TYPE_CHECKING:
-    from spotring.exits import (  # noqa: F401
-        EXIT_CONFIG,
-        EXIT_DIVERGED,
-        EXIT_OK,
-        EXIT_PEER_LOST,
-        EXIT_PREEMPTED,
-        ConfigError,
-        Diverged,
-    )
-    from spotring.global_batch import split_global_batch  # noqa: F401
-    from spotring.job import Job, init  # noqa: F401
-    from spotring.loader import DataLoader  # noqa: F401
-    from spotring.lr import scaled_lr, warmup_schedule  # noqa: F401
-    from spotring.sampler import GlobalBatchSampler  # noqa: F401
+if _typing.TYPE_CHECKING:  # what type checkers see; "X as X": a re-export (PEP 484)
+    from spotring.engines.ddp import DDPOptions as DDPOptions
+    from spotring.engines.horovod import HorovodOptions as HorovodOptions
+    from spotring.exits import EXIT_CONFIG as EXIT_CONFIG
+    from spotring.exits import EXIT_DIVERGED as EXIT_DIVERGED
+    from spotring.exits import EXIT_OK as EXIT_OK
+    from spotring.exits import EXIT_PEER_LOST as EXIT_PEER_LOST
+    from spotring.exits import EXIT_PREEMPTED as EXIT_PREEMPTED
+    from spotring.exits import ConfigError as ConfigError
+    from spotring.exits import Diverged as Diverged
+    from spotring.global_batch import split_global_batch as split_global_batch
+    from spotring.job import Job as Job
+    from spotring.job import init as init
+    from spotring.loader import DataLoader as DataLoader
+    from spotring.lr import scaled_lr as scaled_lr
+    from spotring.lr import warmup_schedule as warmup_schedule
+    from spotring.options import CheckpointOptions as CheckpointOptions
+    from spotring.options import EngineOptions as EngineOptions
+    from spotring.options import PreemptionOptions as PreemptionOptions
+    from spotring.sampler import GlobalBatchSampler as GlobalBatchSampler
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'spotring' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+    return getattr(_importlib.import_module(_EXPORTS[name]), name)
+
+
+def __dir__() -> list[str]:
+    """The public API (what tab completion and help() offer), not this module's helpers."""
+    return sorted(__all__)

@@ -44,8 +44,8 @@ def check_world_size(global_batch: int, world_size: int) -> None:
 
 def split_global_batch(global_batch: int, world_size: int,
                        batch_size: int | None = None) -> tuple[int, int]:
-    """(B, K): the micro-batch each of ``world_size`` workers takes and the accumulation
-    steps that keep the global batch G = B x W x K.
+    """(B, K): the micro-batch each of ``world_size`` (W) workers takes and the
+    accumulation steps that keep ``global_batch`` G = B x W x K.
 
     Without ``batch_size``, K = 1. With it (the most samples one worker fits in memory),
     the smallest K with G % (W x K) == 0 and G // (W x K) <= batch_size. Raises

@@ -35,7 +35,7 @@ The contract (docs/api.md):
 - Only rank 0 writes: checkpoints, metrics.jsonl, TensorBoard and summary.json in
   ``run_dir``.
 
-Exit codes: spotring/exits.py.
+Exit codes: spotring/exits.py; what checkpoints hold and how: spotring/state.py.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -55,7 +54,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from spotring import contract, engines, runtime
-from spotring.checkpoint import Checkpoint, Checkpoints, Saved, find_resume
+from spotring.checkpoint import Checkpoint, Checkpoints
 from spotring.exits import (
     DIVERGED,
     EXIT_CONFIG,
@@ -68,52 +67,81 @@ from spotring.exits import (
     report_bad_input,
 )
 from spotring.loader import DataLoader
+from spotring.options import (
+    CheckpointOptions,
+    Device,
+    EngineOptions,
+    Precision,
+    PreemptionOptions,
+    require_one_of,
+)
 from spotring.preemption import Preemption, notice_budget
+from spotring.state import State, unwrap
 from spotring.stores import write_atomic
 from spotring.telemetry import Telemetry
 
 log = logging.getLogger("spotring")
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_POSITION = ("epoch", "offset", "global_batch", "steps_per_epoch")
 
 
-def init(*, engine: str = "ddp", backend: str = "auto", device: str = "auto",
-         timeout_s: float = 300.0, run_dir: str | os.PathLike | None = None,
+def init(*, engine: str | EngineOptions = "ddp", backend: str | None = None,
+         timeout_s: float | None = None, bucket_mb: float | None = None,
+         sync_bn: bool | None = None, compression: str | None = None, device: str = "auto",
+         run_dir: str | os.PathLike | None = None,
+         checkpoint: CheckpointOptions | None = None,
          checkpoint_dir: str | os.PathLike | None = None, checkpoint_uri: str | None = None,
-         keep: int = 3, threads: int | None = None, seed: int = 0,
-         imds: bool = True, check_every_steps: int = 1, bucket_mb: float = 25.0,
-         sync_bn: bool = False, compression: str = "none") -> Job:
-    """Join the job this process was started in; see the module docstring.
+         keep: int | None = None, preemption: PreemptionOptions | None = None,
+         imds: bool | None = None, check_every_steps: int | None = None,
+         threads: int | None = None, seed: int = 0) -> Job:
+    """Join the job this process was started in (see the module docstring): read the
+    launcher's environment, take the local rank's GPU or the CPU, join the process group.
+    Bad input (a value below, an engine this launch cannot run, an S3 bucket out of
+    reach) exits 2 with one paragraph naming it and the valid values, before any process
+    group exists.
 
+    engine: "ddp" (PyTorch DDP) or "horovod" (Horovod's DistributedOptimizer; under
+        horovodrun or mpirun), or the engine's options object, such as
+        ``spotring.DDPOptions(bucket_mb=50)``; the engines registered in
+        spotring/engines/ are valid.
+    backend, timeout_s, bucket_mb, sync_bn, compression: the engine's options of those
+        names (spotring.EngineOptions, DDPOptions, HorovodOptions document them), in
+        place of the defaults or of the options object's; an option the engine does not
+        have is bad input. Not given: the engine's defaults (backend "auto": NCCL on GPUs,
+        Gloo on CPUs; timeout_s 300 seconds for every collective).
+    device: "auto" (the local rank's GPU where torch sees one, else the CPU), "cpu" or
+        "cuda".
     run_dir: where rank 0 writes metrics.jsonl, tensorboard/, summary.json and the notes
         of why it stopped; default $SPOTRING_RUN_DIR (set by spotring's launchers), else
         ./runs/<script name>.
-    checkpoint_dir: default run_dir/checkpoints. checkpoint_uri: s3://bucket/prefix to
-        upload every checkpoint to as well; default $SPOTRING_CHECKPOINT_URI.
+    checkpoint: a spotring.CheckpointOptions (dir, uri, keep); checkpoint_dir,
+        checkpoint_uri and keep, where given, replace its fields. Defaults: the run_dir's
+        checkpoints/; s3://bucket/prefix from $SPOTRING_CHECKPOINT_URI, else none; 3 kept.
+    preemption: a spotring.PreemptionOptions (imds, poll_seconds, check_every_steps);
+        imds and check_every_steps, where given, replace its fields. Defaults: watch EC2's
+        instance metadata for spot notices; poll every 5 s; vote every step (one tiny
+        allreduce: about 1 ms on Gloo, a few percent of a fast CPU step).
+    threads: torch threads per process; default this machine's cores / local workers.
     seed: seeds torch and random the same on every rank (the same initial weights);
         after ``wrap`` every rank gets its own stream.
-    check_every_steps: how often ``should_stop`` votes (one small allreduce each time,
-        about 1 ms on Gloo: a few percent of a fast CPU step, nothing beside a GPU step).
     """
     launch = runtime.detect()
-    options = SimpleNamespace(name=engine, backend=backend, timeout_s=timeout_s,
-                              bucket_mb=bucket_mb, sync_bn=sync_bn, compression=compression,
-                              op="average", timeline=None)
     try:
-        _check_choice("engine", engine, ("ddp", "horovod"))
-        _check_choice("backend", backend, ("auto", "nccl", "gloo", "mpi"))
-        _check_choice("device", device, ("auto", "cpu", "cuda"))
-        _check_choice("compression", compression, ("none", "fp16"))
-        if check_every_steps < 1:
-            raise ConfigError(f"check_every_steps={check_every_steps}: must be 1 or more")
+        options = engines.options_for(engine, backend=backend, timeout_s=timeout_s,
+                                      bucket_mb=bucket_mb, sync_bn=sync_bn,
+                                      compression=compression)
+        where = (checkpoint or CheckpointOptions()).replaced(
+            "checkpoint", dir=checkpoint_dir, uri=checkpoint_uri, keep=keep)
+        notices = (preemption or PreemptionOptions()).replaced(
+            "preemption", imds=imds, check_every_steps=check_every_steps)
+        if problems := where.problems() + notices.problems():
+            raise ConfigError("; ".join(problems))
+        require_one_of("device", device, Device)
         torch_device = runtime.pick_device(device, launch.local_rank)
         engines.check(options, launch, torch_device)
         run_dir = Path(run_dir or contract.run_dir()
                        or Path("runs") / Path(sys.argv[0]).stem).absolute()
-        checkpoints = Checkpoints(checkpoint_dir or run_dir / "checkpoints", keep,
-                                  checkpoint_uri or contract.checkpoint_uri())
+        checkpoints = where.open(run_dir)
         if checkpoints.remote is not None and launch.rank == 0:
             checkpoints.remote.check_access()
     except ConfigError as e:
@@ -122,7 +150,6 @@ def init(*, engine: str = "ddp", backend: str = "auto", device: str = "auto",
     _announce(launch.rank)
     runtime.set_threads(threads, launch.local_world_size)
     runtime.seed_all(seed)
-    notices = SimpleNamespace(imds=imds, poll_seconds=5.0, check_every_steps=check_every_steps)
     return Job(launch, options, torch_device, run_dir, checkpoints, notices, seed)
 
 
@@ -138,38 +165,33 @@ def _announce(rank: int) -> None:
     log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
-def _check_choice(name: str, value: str, valid: tuple[str, ...]) -> None:
-    if value not in valid:
-        raise ConfigError(f"{name}={value!r} is not one of {', '.join(valid)}")
-
-
 class Job:
-    """This process's part of a data-parallel job. Users get one from ``init``, which
-    checks its input first; the built-in trainer makes its own from its config.
+    """This process's part of a data-parallel job: what ``spotring.init`` returns, having
+    checked its input; its arguments are init's, checked and resolved: the ``launch``
+    (spotring.runtime.detect), the ``engine``'s options, the torch ``device``, the
+    ``run_dir``, the ``checkpoints`` (CheckpointOptions.open), the ``preemption``
+    options and the ``seed``.
 
-    engine: the engine's options (spotring/engines/__init__.py); notices: imds,
-    poll_seconds, check_every_steps (spotring/preemption.py)."""
+    rank, world_size, local_rank, device: this process's place in the job; is_main: rank
+    0, the one process that writes files; options: the engine's options; engine: the
+    spotring engine averaging the gradients; precision: ``wrap``'s, as resolved ("fp32",
+    "bf16" or "fp16"); run_dir, checkpoints: where rank 0 writes."""
 
-    def __init__(self, launch: runtime.Launch, engine: Any, device: torch.device,
-                 run_dir: Path, checkpoints: Checkpoints, notices: Any, seed: int) -> None:
+    def __init__(self, launch: runtime.Launch, engine: EngineOptions, device: torch.device,
+                 run_dir: Path, checkpoints: Checkpoints, preemption: PreemptionOptions,
+                 seed: int) -> None:
         self.launch, self.run_dir, self.checkpoints = launch, run_dir, checkpoints
-        self.seed = seed
+        self.seed, self.options = seed, engine
         self.engine = engines.create(engine, launch, device)
         self.rank, self.world_size = self.engine.rank, self.engine.world_size
         self.local_rank, self.device = self.engine.local_rank, device
-        self.preemption = Preemption(notices, self.engine, self.local_rank)
+        self.preemption = Preemption(preemption, self.engine, self.local_rank)
         self.scaler = torch.amp.GradScaler(device.type, enabled=False)
         self.precision = "fp32"
-        self._tracked: dict[str, Any] = {}
-        self._annotations: dict[str, Any] = {}
+        self._state = State(checkpoints, self.engine, seed)
         self._loader: DataLoader | None = None
         self._model: nn.Module | None = None  # the wrapped model, for no_sync
-        self._steps = 0  # optimizer steps, where no loader is tracked
         self._started = time.perf_counter()
-        self._start_step = 0
-        self._saved: Saved | None = None
-        self.saved_step: int | None = None  # the step of the newest checkpoint written
-        self.resumed_from: str | None = None  # the checkpoint restore() loaded
         self._telemetry: Telemetry | None = None
         self._stop_reason: str | None = None
         self._closed = False
@@ -194,12 +216,22 @@ class Job:
 
     # ----------------------------------------------------------------- data and model
 
-    def loader(self, dataset, global_batch: int, *, batch_size: int | None = None,
-               seed: int | None = None, **dataloader_kwargs) -> DataLoader:
-        """A spotring.DataLoader over ``dataset`` for this rank: this rank's share of every
-        global batch (``batch_size`` caps the per-worker micro-batch; the rest is
-        accumulation). Keyword arguments go to torch's DataLoader (num_workers,
-        pin_memory, persistent_workers, collate_fn, ...)."""
+    def loader(self, dataset: torch.utils.data.Dataset, global_batch: int, *,
+               batch_size: int | None = None, seed: int | None = None,
+               **dataloader_kwargs: Any) -> DataLoader:
+        """A spotring.DataLoader over ``dataset`` for this rank: its share of every global
+        batch, in an order that is the same on any number of workers.
+
+        dataset: any map-style Dataset (__len__ and __getitem__).
+        global_batch: samples per optimizer step over all workers; the world size must
+            divide it (ConfigError naming the worker counts that can).
+        batch_size: the most samples one worker takes per micro-step; where the share is
+            larger, it is taken in several micro-steps (accumulation). Default: the whole
+            share in one.
+        seed: of the order (one permutation per epoch); default ``init``'s seed.
+        dataloader_kwargs: to torch's DataLoader (num_workers, pin_memory,
+            persistent_workers, collate_fn, ...); pin_memory defaults to True on a GPU.
+        """
         dataloader_kwargs.setdefault("pin_memory", self.device.type == "cuda")
         loader = DataLoader(dataset, global_batch, batch_size=batch_size,
                             seed=self.seed if seed is None else seed, rank=self.rank,
@@ -212,16 +244,28 @@ class Job:
              accumulation: int | None = None) -> tuple[nn.Module, Optimizer]:
         """The model on this rank's device, every rank starting from rank 0's weights and
         optimizer state, gradients averaged over all ranks: DDP (buckets overlapping
-        backward) or Horovod's DistributedOptimizer.
+        backward) or Horovod's DistributedOptimizer. Returns (model, optimizer) to use
+        from now on; one process alone gets both back unwrapped.
 
-        precision: fp32, bf16, fp16 (autocast in ``autocast()``; fp16 with a gradient
-            scaler, which ``backward`` and ``step`` apply), or auto (bf16 where the device
-            computes it natively). channels_last: the model in NHWC. compile:
-            torch.compile before the engine wraps it. accumulation: micro-batches per
-            step; default the loader's."""
-        if precision not in PRECISIONS:
-            raise ConfigError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
-        self.precision = runtime.pick_precision(precision, self.device, "float32")
+        model, optimizer: the optimizer built over the model's parameters.
+        precision: "fp32"; "bf16" or "fp16" (the forward pass under ``autocast()``; fp16
+            with a gradient scaler, which ``backward`` and ``step`` apply); "auto": bf16
+            where the device computes it natively, else fp32 (always fp32 for a float64
+            model).
+        channels_last: the model in NHWC memory order (convolutions on GPUs).
+        compile: torch.compile the model before the engine wraps it; ConfigError where
+            torch.compile cannot run here, or the engine's options cannot go with it.
+        accumulation: micro-batches per optimizer step; default the loader's.
+        """
+        require_one_of("precision", precision, Precision)
+        if compile:
+            why = runtime.compile_unavailable(self.device)
+            problems = [f"compile=True: {why}"] if why else []
+            if problems := problems + self.options.problems(compile=True):
+                raise ConfigError("; ".join(problems))
+        dtype = next(model.parameters(), torch.empty(0)).dtype
+        self.precision = runtime.pick_precision(precision, self.device,
+                                                str(dtype).removeprefix("torch."))
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         model = model.to(self.device)
         if channels_last and not self.engine.contiguous_only:
@@ -242,7 +286,8 @@ class Job:
         return unwrap(model)
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """torch.autocast for the forward pass and loss at ``wrap``'s precision."""
+        """torch.autocast for the forward pass and loss at ``wrap``'s precision; a context
+        that does nothing at fp32."""
         if self.precision in _AUTOCAST:
             return torch.autocast(self.device.type, dtype=_AUTOCAST[self.precision])
         return contextlib.nullcontext()
@@ -259,15 +304,15 @@ class Job:
             yield
 
     def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward() for one micro-batch, divided by the accumulation (the step
-        averages over the whole global batch) and scaled for fp16."""
+        """loss.backward() for one micro-batch's ``loss``, divided by the accumulation (the
+        step averages over the whole global batch) and scaled for fp16."""
         k = self._loader.accumulation if self._loader else 1
         self.scaler.scale(loss * (self.engine.loss_scale / k)).backward()
 
     def step(self, optimizer: Optimizer) -> bool:
-        """After ``backward``: at the end of a global batch, the optimizer step on the
-        averaged gradients (unscaled, skipped where fp16 overflowed) and zero_grad; True
-        then, False on the micro-batches before."""
+        """After ``backward``: at the end of a global batch, ``optimizer``'s step (``wrap``'s
+        optimizer) on the averaged gradients (unscaled, skipped where fp16 overflowed) and
+        zero_grad; True then, False on the micro-batches before."""
         if self._loader is not None and not self._loader.is_step_boundary:
             return False
         self.engine.step(optimizer, self.scaler)
@@ -277,15 +322,17 @@ class Job:
     # ----------------------------------------------------------------------- collectives
 
     def all_reduce(self, value: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
-        """``value`` summed (op="sum") or averaged (op="mean") over all ranks; a
-        collective."""
+        """``value`` (a number or a tensor, the same shape on every rank) summed
+        (op="sum") or averaged (op="mean") over all ranks, as a float64 tensor on the
+        device; a collective: every rank calls it."""
+        require_one_of("op", op, ("mean", "sum"))
         tensor = torch.as_tensor(value, dtype=torch.float64, device=self.device).clone()
         self.engine.all_reduce_sum(tensor, "user")
         return tensor / self.world_size if op == "mean" else tensor
 
     def check_finite(self, loss: torch.Tensor | float) -> None:
-        """Raise Diverged on every rank (exit 65 inside ``with``) when ``loss`` is NaN or
-        infinite on any rank; a collective."""
+        """Raise Diverged on every rank (exit 65 inside ``with``) when ``loss`` (this
+        rank's) is NaN or infinite on any rank; a collective."""
         total = float(self.all_reduce(float(loss), "sum"))
         if not torch.isfinite(torch.tensor(total)):
             raise Diverged(self.step_count, total)
@@ -293,98 +340,53 @@ class Job:
     # -------------------------------------------------------------------- checkpoints
 
     def track(self, **state: Any) -> None:
-        """What every checkpoint holds, by name: objects with state_dict() and
-        load_state_dict() (model, optimizer, scheduler, GradScaler, spotring.DataLoader)
-        or plain dicts (restored in place). A wrapped or compiled model is saved as
-        the plain module, so checkpoints load in any world size or engine."""
-        self._tracked.update(state)
+        """What every checkpoint holds: ``state``, by name (the keywords): objects with state_dict()
+        and load_state_dict() (model, optimizer, scheduler, GradScaler,
+        spotring.DataLoader) or plain dicts (restored in place). A wrapped or compiled
+        model is saved as the plain module, so checkpoints load in any world size or
+        engine. A tracked spotring.DataLoader gives ``step_count``."""
+        self._state.tracked.update(state)
 
     def annotate(self, **fields: Any) -> None:
-        """Fields every checkpoint's manifest carries from now on (JSON values: what the
-        run trains). ``restore`` refuses a checkpoint whose manifest gives one of them
+        """``fields`` (JSON values: what the run trains) every checkpoint's manifest carries
+        from now on. ``restore`` refuses a checkpoint whose manifest gives one of them
         another value (ConfigError, exit 2): annotate before you restore."""
-        self._annotations.update(fields)
+        self._state.annotations.update(fields)
 
     @property
     def step_count(self) -> int:
         """Optimizer steps taken: from the tracked loader's position (the same on every
         world size), else the calls of ``should_stop``."""
-        loader = self._tracked_loader()
-        if loader is None:
-            return self._steps
-        if hasattr(loader, "step"):  # a position that counts its steps itself
-            return loader.step
-        return loader.epoch * loader.steps_per_epoch + loader.offset // loader.global_batch
+        return self._state.step_count
+
+    @property
+    def saved_step(self) -> int | None:
+        """The step of the newest checkpoint written or restored; None before either."""
+        return self._state.saved_step
+
+    @property
+    def resumed_from(self) -> str | None:
+        """Where the checkpoint ``restore`` loaded was; None on a fresh start."""
+        return self._state.resumed_from
 
     def save(self) -> str:
         """Checkpoint the tracked state (every rank calls it; rank 0 writes): complete and
         read back on disk and S3 before it returns, the oldest beyond ``keep`` dropped.
         Returns where rank 0 wrote it. Raises Diverged where a tracked model's weights
         are not finite: never a checkpoint to resume a diverged run from."""
-        step = self.step_count
-        for obj in self._tracked.values():
-            # The ranks hold the same weights, so each comes to the same answer.
-            if isinstance(obj, nn.Module) and not all(
-                    bool(torch.isfinite(p).all()) for p in obj.parameters()):
-                raise Diverged(step, float("nan"), "weights")
-        rngs = self.engine.all_gather_object(runtime.rng_state())
-        if self.is_main:
-            state = {name: _state_of(obj) for name, obj in self._tracked.items()}
-            state["spotring"] = {"step": step, "rng": rngs, "world_size": self.world_size,
-                                 "scaler": self.scaler.state_dict()}
-            loader = self._tracked_loader()
-            meta = {"step": step, "world_size": self.world_size, **self._annotations}
-            if loader is not None:
-                meta |= {"epoch": loader.epoch, "offset": loader.offset,
-                         "global_batch": loader.global_batch}
-            self._saved = self.checkpoints.save(state, meta)
-            log.info("checkpoint %s, %s", self._saved.location, self._saved.describe())
-        self.saved_step = step
-        return self._saved.location if self._saved else "(written by rank 0)"
+        saved = self._state.save(self.scaler)
+        return saved.location if saved else "(written by rank 0)"
 
     def restore(self, source: str | Checkpoint | None = "auto") -> int | None:
         """Load a checkpoint into the tracked objects, on any world size; returns its step,
         or None where there is none (a fresh start). Every rank calls it; rank 0 reads and
         verifies, the others get its copy.
 
-        source (rank 0's counts): "auto", the newest valid checkpoint of checkpoint_dir and
-        checkpoint_uri; "never", none (ConfigError where checkpoints exist, which new ones
-        would mix with); the path of a .pt; or a Checkpoint already found (None: none)."""
-        found = None
-        if self.is_main:
-            checkpoint = (find_resume(source, self.checkpoints) if isinstance(source, str)
-                          else source)
-            if checkpoint is not None:
-                checkpoint.check_matches(self._annotations)
-            found = None if checkpoint is None else checkpoint.load() | {
-                "source": checkpoint.location}
-        found = self.engine.broadcast_object(found)
-        if found is None:
-            return None
-        for name, obj in self._tracked.items():
-            if name not in found:
-                raise ConfigError(f"the checkpoint {found['source']} holds no {name!r} "
-                                  f"(it holds {', '.join(k for k in found if k != 'source')})")
-            _load_state(obj, found[name])
-        meta = found["spotring"]
-        if self.scaler.is_enabled() and meta.get("scaler"):
-            self.scaler.load_state_dict(meta["scaler"])
-        if len(meta["rng"]) == self.world_size:
-            runtime.set_rng_state(meta["rng"][self.rank])
-        else:  # another world size: fresh, reproducible per-rank streams
-            runtime.seed_all(hash((self.seed, self.rank, meta["step"])))
-        self._steps = self._start_step = self.saved_step = meta["step"]
-        self.resumed_from = found["source"]
-        log.info("resumed from %s at step %d (%d workers then, %d now)", found["source"],
-                 meta["step"], meta["world_size"], self.world_size)
-        return meta["step"]
-
-    def _tracked_loader(self) -> Any:
-        """The tracked object that knows where in the data the run stands: a
-        spotring.DataLoader, or another with the same position (epoch, offset,
-        global_batch, steps_per_epoch), as the trainer's in-memory batches."""
-        return next((o for o in self._tracked.values()
-                     if all(hasattr(o, a) for a in _POSITION)), None)
+        source (rank 0's counts): "auto", the newest valid checkpoint of the checkpoint
+        directory and uri; "never", none (ConfigError where checkpoints exist, which new
+        ones would mix with); the path of a .pt; or a Checkpoint already found (None:
+        none)."""
+        return self._state.restore(source, self.scaler)
 
     # ---------------------------------------------------------------------------- stop
 
@@ -392,7 +394,7 @@ class Job:
         """True on every rank at the same step once any rank saw SIGTERM, SIGUSR1 or the
         EC2 spot notice (a collective: every rank calls it once per optimizer step). A
         rebalance recommendation checkpoints here and goes on."""
-        self._steps += 1
+        self._state.steps += 1
         decision = self.preemption.decide()
         if decision.checkpoint and self.saved_step != self.step_count:
             self.save()
@@ -406,12 +408,13 @@ class Job:
         if self.saved_step != self.step_count:
             self.save()
         reason = self._stop_reason or "stop requested"
+        saved = self._state.saved
         if self.is_main:
-            timing = notice_budget(self._saved, self.checkpoints, reason, self.step_count,
+            timing = notice_budget(saved, self.checkpoints, reason, self.step_count,
                                    self.preemption.noticed_at or time.time())
             write_atomic(self.run_dir / PREEMPTED, json.dumps(
                 {"reason": reason, "step": self.step_count,
-                 "checkpoint": self._saved.location, **timing}).encode())
+                 "checkpoint": saved.location, **timing}).encode())
         log.warning("preempted (%s) at step %d; exit %d: run the same command again to "
                     "continue", reason, self.step_count, EXIT_PREEMPTED)
         self.close()
@@ -422,22 +425,23 @@ class Job:
     def log(self, kind: str = "train", step: int | None = None, **scalars: float) -> None:
         """Rank 0: one record of metrics.jsonl ({"kind", "step", "epoch", ...scalars}) and
         the same scalars in TensorBoard as ``kind/name``. kind="test" records are what
-        ``spotring sweep`` prunes on (``accuracy``, ``loss``). Values are rank 0's own;
-        average them first with ``all_reduce`` where they differ by rank."""
+        ``spotring sweep`` prunes on (``accuracy``, ``loss``). step: default
+        ``step_count``. Values are rank 0's own (numbers or one-element tensors); average
+        them first with ``all_reduce`` where they differ by rank."""
         if not self.is_main:
             return
         step = self.step_count if step is None else step
-        loader = self._tracked_loader() or self._loader
+        loader = self._state.position() or self._loader
         self.telemetry.record(kind, step, None if loader is None else loader.epoch,
                               **{k: float(v) for k, v in scalars.items()})
 
     def finish(self, **results: Any) -> dict[str, Any]:
         """Rank 0: summary.json in run_dir (what ``spotring sweep`` and the reports read:
-        ``results`` such as test_accuracy, and the run's steps, workers, global batch,
+        ``results`` such as test_accuracy, over the run's steps, workers, global batch,
         seconds and img/s); then leave the process group. Returns the summary."""
         seconds = time.perf_counter() - self._started
-        loader = self._tracked_loader() or self._loader
-        steps = self.step_count - self._start_step
+        loader = self._state.position() or self._loader
+        steps = self.step_count - self._state.start_step
         summary: dict[str, Any] = {
             "steps": self.step_count, "steps_this_run": steps, "train_seconds": seconds,
             "world_size": self.world_size, "launcher": self.launch.launcher,
@@ -492,36 +496,3 @@ class Job:
             self.preemption.close()  # the handlers stay: a SIGTERM now must not end it silently
             exit_peer_lost(self.engine.describe_failure(error))
         return False
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module under DDP's and torch.compile's wrappers: what to save or
-    evaluate outside the job."""
-    while True:
-        inner = next((m for m in (getattr(model, "module", None),
-                                  getattr(model, "_orig_mod", None))
-                      if isinstance(m, nn.Module)), None)
-        if inner is None:
-            return model
-        model = inner
-
-
-def _state_of(obj: Any) -> Any:
-    if isinstance(obj, nn.Module):
-        return unwrap(obj).state_dict()
-    if hasattr(obj, "state_dict"):
-        return obj.state_dict()
-    if isinstance(obj, dict):
-        return dict(obj)
-    raise TypeError(f"cannot checkpoint a {type(obj).__name__}: track objects with "
-                    "state_dict() and load_state_dict(), or dicts")
-
-
-def _load_state(obj: Any, state: Any) -> None:
-    if isinstance(obj, nn.Module):
-        unwrap(obj).load_state_dict(state)
-    elif hasattr(obj, "load_state_dict"):
-        obj.load_state_dict(state)
-    else:
-        obj.clear()
-        obj.update(state)

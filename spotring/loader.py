@@ -36,12 +36,22 @@ REFUSED = ("shuffle", "sampler", "batch_sampler", "drop_last")
 
 
 class DataLoader(torch.utils.data.DataLoader):
-    """This rank's micro-batches of ``dataset`` in spotring's order; every other keyword
-    (num_workers, pin_memory, persistent_workers, collate_fn, ...) goes to torch's
-    DataLoader. ``rank`` and ``world_size`` default to the launcher's environment
-    (spotring.runtime.detect). Iterate it once per epoch after `set_epoch`; an epoch
-    iterated to its end leaves the loader there (``len(loader) == 0``) until the next
-    `set_epoch`."""
+    """This rank's micro-batches of ``dataset`` in spotring's order. Iterate it once per
+    epoch after `set_epoch` (or through `epochs`); an epoch iterated to its end leaves the
+    loader there (``len(loader) == 0``) until the next `set_epoch`.
+
+    dataset: a map-style Dataset (__len__ and __getitem__); an IterableDataset is refused.
+    global_batch: G, samples per optimizer step over all workers; the world size must
+        divide it (ConfigError naming the worker counts that can).
+    batch_size: the most samples this worker takes per micro-step; the fewest micro-steps
+        (accumulation) that keep to it. Default: its whole share in one.
+    seed: of the order, one permutation per epoch seeded by (seed, epoch).
+    rank, world_size: this worker's place; default the launcher's environment
+        (spotring.runtime.detect).
+    kwargs: to torch's DataLoader (num_workers, pin_memory, persistent_workers,
+        collate_fn, prefetch_factor, ...); shuffle, sampler, batch_sampler and drop_last
+        are refused: the order is spotring's.
+    """
 
     def __init__(self, dataset: torch.utils.data.Dataset, global_batch: int, *,
                  batch_size: int | None = None, seed: int = 0, rank: int | None = None,

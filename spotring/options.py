@@ -1,16 +1,40 @@
-"""Options with a fixed set of values, and the one way a bad one is reported.
+"""spotring's options: one typed class for each group, and the one way a bad value is
+reported.
+
+    EngineOptions       name, backend, timeout_s; each engine's own class adds its options
+                        (spotring/engines/: DDPOptions, HorovodOptions)
+    CheckpointOptions   dir, uri, keep: where checkpoints go
+    PreemptionOptions   imds, poll_seconds, check_every_steps: spot notices and their vote
+
+Each is a dataclass that states its fields, their types and defaults once: spotring.init
+builds them from its keywords or takes them as they are, and the built-in trainer's Hydra
+schema is made of them (its ``engine`` node is the engine's class, its ``checkpoint`` and
+``preemption`` nodes extend or are these), so a choice or a default is written here only.
+Free of torch, so that a launcher can compose the trainer's config without it.
 
 A field typed with a ``Choice`` takes no other value: OmegaConf refuses any other as a
-Hydra config is composed, naming the valid ones; and where a value comes from a Python
-call instead (spotring.init), ``one_of`` words the refusal the same way.
+Hydra config is composed, naming the valid ones; where a value comes from a Python call
+instead (spotring.init), ``problems`` words the refusal the same way (``one_of``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import os
+import typing
 from collections.abc import Iterable
+from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+from spotring import contract
+from spotring.exits import ConfigError
+
+if TYPE_CHECKING:
+    from spotring.checkpoint import Checkpoints
 
 
 class Choice(str, Enum):
@@ -31,7 +55,7 @@ def choices(name: str, values: str) -> type[Choice]:
     return Choice(name, [(value, value) for value in values.split()])
 
 
-def one_of(key: str, value: Any, valid: Iterable[str]) -> str | None:
+def one_of(key: str, value: Any, valid: Iterable[Any]) -> str | None:
     """A problem line if ``value`` is not in ``valid``, with a close match when there is one
     ("engine=hvd: unknown (did you mean horovod?); valid: ddp, horovod")."""
     valid = [str(v) for v in valid]
@@ -40,3 +64,141 @@ def one_of(key: str, value: Any, valid: Iterable[str]) -> str | None:
     close = difflib.get_close_matches(str(value), valid, n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
     return f"{key}={value}: unknown{hint}; valid: {', '.join(valid)}"
+
+
+def require_one_of(key: str, value: Any, valid: Iterable[Any]) -> None:
+    """Raise ConfigError with ``one_of``'s line where ``value`` is not in ``valid``."""
+    if problem := one_of(key, value, valid):
+        raise ConfigError(problem)
+
+
+def positive(prefix: str = "", **values: float | None) -> list[str]:
+    """A problem line for each of ``values`` (by key, after ``prefix``) that is set and not
+    above zero."""
+    return [f"{prefix}{key}={value}: must be positive" for key, value in values.items()
+            if value is not None and not value > 0]
+
+
+Backend = choices("Backend", "auto nccl gloo mpi")
+Device = choices("Device", "auto cpu cuda")
+Precision = choices("Precision", "auto fp32 bf16 fp16")
+
+
+class Options:
+    """What spotring's option classes share: ``problems``, the values the class refuses."""
+
+    def problems(self, prefix: str = "") -> list[str]:
+        """What is wrong with these values, one line each, every key after ``prefix``
+        ("engine." in the trainer's config): here, a field typed with a Choice holding
+        another value. Subclasses add their ranges."""
+        hints = typing.get_type_hints(type(self))
+        found = []
+        for field in dataclasses.fields(self):  # type: ignore[arg-type]
+            choice = _choice_of(hints[field.name])
+            value = getattr(self, field.name)
+            if choice is not None and value is not None:
+                found += filter(None, [one_of(prefix + field.name, value, choice)])
+        return found
+
+    def replaced(self, what: str, **values: Any) -> Options:
+        """A copy with ``values`` (those not None) in place of its own; a key the class
+        lacks is a ConfigError naming it, the class and its keys, as options of ``what``
+        ("engine=horovod")."""
+        given = {key: value for key, value in values.items() if value is not None}
+        names = [field.name for field in dataclasses.fields(self)]  # type: ignore[arg-type]
+        if unknown := [key for key in given if key not in names]:
+            raise ConfigError(
+                f"{', '.join(unknown)}: not an option of {what} ({type(self).__name__}: "
+                f"{', '.join(n for n in names if n != 'name')})")
+        return dataclasses.replace(self, **given)  # type: ignore[type-var]
+
+
+def _choice_of(hint: Any) -> type[Choice] | None:
+    """The Choice type a field's annotation names, alone or with None."""
+    for candidate in (hint, *typing.get_args(hint)):
+        if isinstance(candidate, type) and issubclass(candidate, Choice):
+            return candidate
+    return None
+
+
+@dataclass
+class EngineOptions(Options):
+    """What every engine takes; each engine's own class (spotring/engines/) extends it with
+    its own options and sets ``name``.
+
+    name: the engine, as spotring.init's ``engine=`` and the trainer's ``engine=`` name it.
+    backend: the transport of the gradients' allreduce. auto: NCCL on GPUs, Gloo on CPUs;
+        mpi: over MPI on CPUs, under mpirun (ddp through mpi4py, horovod its own); nccl,
+        gloo: that one.
+    timeout_s: seconds a collective waits for a peer before the job fails naming the
+        missing rank (exit 69). Generous by default: a first NCCL allreduce can take a while.
+    """
+
+    name: str = ""
+    backend: Backend = Backend.auto
+    timeout_s: float = 300.0
+
+    def problems(self, prefix: str = "", *, compile: bool = False) -> list[str]:
+        """What is wrong with these values, one line each, every key after ``prefix``;
+        ``compile``: the model will be torch.compiled, which some engines' options cannot
+        go with."""
+        return super().problems(prefix) + positive(prefix, timeout_s=self.timeout_s)
+
+
+@dataclass
+class CheckpointOptions(Options):
+    """Where the job's checkpoints go.
+
+    dir: rank 0's checkpoint directory; default the run directory's checkpoints/.
+    uri: s3://bucket/prefix that every checkpoint is also uploaded to (so that a new node
+        resumes after the old one vanished); default $SPOTRING_CHECKPOINT_URI, which
+        spotring's launchers set (spotring/contract.py), else none.
+    keep: checkpoints kept in each store; older ones are deleted.
+    """
+
+    dir: str | None = None
+    uri: str | None = None
+    keep: int = 3
+
+    def problems(self, prefix: str = "") -> list[str]:
+        """Options.problems (keys after ``prefix``), and keep's and uri's."""
+        found = super().problems(prefix) + positive(prefix, keep=self.keep)
+        if self.uri is not None and not _is_s3(self.uri):
+            found.append(f"{prefix}uri={self.uri}: expected s3://bucket/prefix")
+        return found
+
+    def open(self, run_dir: str | os.PathLike) -> Checkpoints:
+        """The checkpoint stores of a run writing in ``run_dir``, with the defaults above
+        applied; ConfigError for a uri that is not s3://bucket/prefix."""
+        from spotring.checkpoint import Checkpoints
+
+        return Checkpoints(self.dir or Path(run_dir) / "checkpoints", self.keep,
+                           self.uri or contract.checkpoint_uri())
+
+
+def _is_s3(uri: str) -> bool:
+    parsed = urlparse(uri)
+    return parsed.scheme == "s3" and bool(parsed.netloc)
+
+
+@dataclass
+class PreemptionOptions(Options):
+    """How the job watches for spot notices and agrees on them (spotring/preemption.py).
+
+    imds: local rank 0 of each node polls EC2's instance metadata service for a spot
+        interruption notice or a rebalance recommendation (off EC2 it gives up within
+        seconds; SIGTERM and SIGUSR1 stop the job either way).
+    poll_seconds: between two polls of the metadata service.
+    check_every_steps: optimizer steps between the ranks' votes on a stop (one tiny
+        allreduce each, about 1 ms on Gloo: a few percent of a fast CPU step, nothing
+        beside a GPU step).
+    """
+
+    imds: bool = True
+    poll_seconds: float = 5.0
+    check_every_steps: int = 1
+
+    def problems(self, prefix: str = "") -> list[str]:
+        """Options.problems (keys after ``prefix``), and the ranges of the numbers."""
+        return super().problems(prefix) + positive(
+            prefix, poll_seconds=self.poll_seconds, check_every_steps=self.check_every_steps)

@@ -5,49 +5,41 @@ metadata service (IMDSv2), and at the end the OS sends SIGTERM. Every rank:
 
     catches SIGTERM (the notice of last resort, and how launchers stop their workers)
         and SIGUSR1 (a warning only: SLURM's --signal=USR1@S before the time limit);
-    on local rank 0 of each node, a thread polls every preemption.poll_seconds:
-        PUT  /latest/api/token                              an IMDSv2 session token
-        GET  /latest/meta-data/spot/instance-action         404, or {"action": "terminate",
-                                                            "time": ...}: stop
-        GET  /latest/meta-data/events/recommendations/rebalance
-                                                            404, or {"noticeTime": ...}:
-                                                            the risk went up: checkpoint now
+    on local rank 0 of each node, a thread polls the instance metadata service
+        (spotring/metadata.py) every poll_seconds (PreemptionOptions): a spot notice
+        stops the job, a rebalance recommendation (the risk went up) checkpoints now
 
 and at every step boundary the ranks add up their votes in one small allreduce, so all
 of them see the same answer at the same step (the sum of the votes of the step before,
 so that the allreduce overlaps a step's computation). On "stop", rank 0 writes a checkpoint
 at once and the job exits with code 75 (preempted); the launcher replaces the node and
-resumes. The endpoint follows AWS_EC2_METADATA_SERVICE_ENDPOINT as boto does, so tests
-point it at a local server. Off EC2 the first requests fail within a second each and the
+resumes. Off EC2 the first requests fail within a second each and the
 thread stops polling after three of them; SIGTERM still works.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import signal
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from spotring import metadata
 from spotring.checkpoint import Checkpoints, Saved
 from spotring.engines import Engine
+from spotring.metadata import Metadata
+from spotring.options import PreemptionOptions
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ENDPOINT = "http://169.254.169.254"
 NOTICE_SECONDS = 120  # EC2's spot interruption notice: the instance goes this long after it
 # Signals that stop the run as a spot notice does: SIGTERM from the OS and launchers,
 # SIGUSR1 from schedulers asked for a warning that is not also their kill signal.
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-_TOKEN_TTL_SECONDS = 21600
 _PROBES = 3  # first requests before deciding there is no metadata service
 # How long close() waits for the watcher: a poll in flight is up to three requests
 # (token, notice, rebalance) of Metadata's 1 s timeout.
@@ -60,45 +52,12 @@ class Decision:
     checkpoint: bool  # checkpoint now (a rebalance recommendation) and go on
 
 
-class Metadata:
-    """The instance metadata service, spoken IMDSv2 (a token on every request)."""
-
-    def __init__(self, endpoint: str, timeout: float = 1.0) -> None:
-        self.endpoint = endpoint.rstrip("/")
-        self.timeout = timeout
-        self._token: str | None = None
-        self._token_expires = 0.0
-
-    def _token_header(self) -> dict[str, str]:
-        if self._token is None or time.monotonic() > self._token_expires:
-            request = urllib.request.Request(
-                f"{self.endpoint}/latest/api/token", method="PUT",
-                headers={"X-aws-ec2-metadata-token-ttl-seconds": str(_TOKEN_TTL_SECONDS)})
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                self._token = response.read().decode()
-            self._token_expires = time.monotonic() + _TOKEN_TTL_SECONDS / 2
-        return {"X-aws-ec2-metadata-token": self._token}
-
-    def get(self, path: str) -> dict | None:
-        """The JSON document at meta-data/``path``, or None when there is none (404)."""
-        request = urllib.request.Request(f"{self.endpoint}/latest/meta-data/{path}",
-                                         headers=self._token_header())
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                return json.loads(response.read() or b"{}")
-        except urllib.error.HTTPError as e:
-            if e.code == 404:
-                return None
-            if e.code == 401:  # the token expired early: get a new one next time
-                self._token = None
-            raise
-
-
 class Preemption:
-    """This rank's watcher, and the step-boundary vote of all ranks."""
+    """This rank's watcher (``options``: spotring.PreemptionOptions), and the
+    step-boundary vote of all ranks over ``engine``."""
 
-    def __init__(self, cfg, engine: Engine, local_rank: int) -> None:
-        self.cfg, self.engine = cfg, engine
+    def __init__(self, options: PreemptionOptions, engine: Engine, local_rank: int) -> None:
+        self.options, self.engine = options, engine
         self._stop: str | None = None
         # time.time() when a stop first reached this rank: its own notice or signal, or
         # else the vote of another rank (rank 0's goes into preempted.json).
@@ -110,9 +69,9 @@ class Preemption:
         self._pending: Callable[[], torch.Tensor] | None = None  # the last votes sent
         self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
         self._thread: threading.Thread | None = None
-        if cfg.imds and local_rank == 0:
-            endpoint = os.environ.get("AWS_EC2_METADATA_SERVICE_ENDPOINT", DEFAULT_ENDPOINT)
-            self._thread = threading.Thread(target=self._watch, args=(Metadata(endpoint),),
+        if options.imds and local_rank == 0:
+            self._thread = threading.Thread(target=self._watch,
+                                            args=(Metadata(metadata.endpoint()),),
                                             name="spot-notice-watcher", daemon=True)
             self._thread.start()
 
@@ -127,29 +86,29 @@ class Preemption:
             self.noticed_at = self.noticed_at or time.time()
             self._stop = reason
 
-    def _watch(self, metadata: Metadata) -> None:
+    def _watch(self, source: Metadata) -> None:
         for probe in range(_PROBES):  # a busy new instance may miss one; off EC2 all fail
             try:
-                metadata.get("spot/instance-action")
+                source.get(metadata.SPOT_NOTICE)
                 break
             except (OSError, ValueError) as e:
-                if probe == _PROBES - 1 or self._closed.wait(self.cfg.poll_seconds):
+                if probe == _PROBES - 1 or self._closed.wait(self.options.poll_seconds):
                     log.debug("no instance metadata service at %s (%s): not watching for "
-                              "spot notices", metadata.endpoint, e)
+                              "spot notices", source.endpoint, e)
                     return
         log.info("watching %s for spot interruption notices every %g s",
-                 metadata.endpoint, self.cfg.poll_seconds)
-        while not self._closed.wait(self.cfg.poll_seconds):
+                 source.endpoint, self.options.poll_seconds)
+        while not self._closed.wait(self.options.poll_seconds):
             try:
-                action = metadata.get("spot/instance-action")
+                action = source.get(metadata.SPOT_NOTICE)
                 if action is not None:
                     notice = f"spot {action.get('action', 'interruption')} notice " \
                              f"for {action.get('time', 'soon')}"
                     self._notice(notice)
                     log.warning("%s", notice)
                     return
-                if not self._rebalance.is_set() and metadata.get(
-                        "events/recommendations/rebalance") is not None:
+                if not self._rebalance.is_set() and source.get(
+                        metadata.REBALANCE) is not None:
                     log.warning("rebalance recommendation: checkpointing now")
                     self._rebalance.set()
             except (OSError, ValueError) as e:  # a hiccup; the next poll may work
@@ -157,14 +116,14 @@ class Preemption:
 
     def decide(self) -> Decision:
         """Every rank's notices, added up: the same answer on all ranks (a collective).
-        Runs every preemption.check_every_steps steps; a decision is never undone.
+        Runs every check_every_steps steps; a decision is never undone.
 
         Each call sends this rank's votes and answers with the sum of the votes sent by
         the call before: the small allreduce runs while the next step computes instead
         of stopping every step for it (a step late is nothing against a two-minute
         notice). The first call only sends."""
         self._steps += 1
-        if self._steps % self.cfg.check_every_steps:
+        if self._steps % self.options.check_every_steps:
             return Decision(None, False)
         rebalance = self._rebalance.is_set() and not self._rebalance_handled
         self._rebalance_handled |= rebalance  # voted once; answered with the next call

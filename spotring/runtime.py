@@ -97,17 +97,19 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
     if not torch.cuda.is_available():
         from spotring.exits import ConfigError
 
-        raise ConfigError("train.device=cuda, but torch sees no GPU on this machine; "
-                          "use train.device=auto or cpu")
+        raise ConfigError("device=cuda, but torch sees no GPU on this machine; valid here: "
+                          "auto, cpu")
     device = torch.device("cuda", local_rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     return device
 
 
 def pick_precision(preference: str, device: torch.device, dtype: str) -> str:
-    """train.precision=auto: bf16 where ``device`` computes in bfloat16 natively (GPUs
-    from Ampere on; CPUs with AVX512-BF16 or AMX), else fp32; always fp32 for a float64
-    run. Where bf16 is emulated it is slower than fp32, so auto does not choose it."""
+    """The precision ``preference`` (fp32, bf16, fp16 or auto) resolves to for a model of
+    ``dtype`` (float32, float64...) on ``device``. auto: bf16 where ``device`` computes in
+    bfloat16 natively (GPUs from Ampere on; CPUs with AVX512-BF16 or AMX), else fp32;
+    always fp32 for float64. Where bf16 is emulated it is slower than fp32, so auto does
+    not choose it."""
     if preference != "auto":
         return preference
     if dtype == "float64":
@@ -118,6 +120,33 @@ def pick_precision(preference: str, device: torch.device, dtype: str) -> str:
         capabilities = torch.cpu.get_capabilities()
         native = capabilities.get("avx512_bf16") or capabilities.get("amx_bf16")
     return "bf16" if native else "fp32"
+
+
+def compile_unavailable(device: torch.device) -> str | None:
+    """Why torch.compile (its default backend, inductor) cannot run on ``device`` here,
+    or None."""
+    import torch._dynamo
+
+    try:
+        torch._dynamo.eval_frame.check_if_dynamo_supported()
+    except Exception as e:
+        return f"torch.compile does not run on this platform ({e})"
+    if device.type == "cpu":
+        from torch._inductor import config as inductor_config
+        from torch._inductor import cpp_builder
+
+        try:  # the search inductor itself makes: $CXX, else g++
+            cpp_builder.get_cpp_compiler()
+        except RuntimeError:
+            names = ", ".join(c for c in inductor_config.cpp.cxx if c)
+            return (f"inductor compiles C++ for the CPU and finds no C++ compiler here "
+                    f"(looked for {names}; set CXX or install g++)")
+    else:
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return "inductor needs Triton for GPU kernels, and it is not installed"
+    return None
 
 
 def set_threads(threads: int | None, local_world_size: int) -> int:

@@ -30,14 +30,16 @@ from spotring.exits import ConfigError
 from spotring.global_batch import check_world_size
 
 
-def _generator(*key: int) -> torch.Generator:
-    # A 63-bit seed from the key; Python's tuple hash of ints is stable across runs.
+def seeded_generator(*key: int) -> torch.Generator:
+    """A torch.Generator seeded by the integers ``key``, the same in every process and run
+    (Python's tuple hash of ints is stable), for randomness that must not depend on the
+    rank or the world size: an epoch's order, a global batch's augmentation."""
     return torch.Generator().manual_seed(hash(key) & 0x7FFF_FFFF_FFFF_FFFF)
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
     """The sample order of one epoch: the same on every rank, for every world size."""
-    return torch.randperm(n, generator=_generator(seed, epoch))
+    return torch.randperm(n, generator=seeded_generator(seed, epoch))
 
 
 def steps_in_epoch(n: int, global_batch: int, offset: int = 0) -> int:
@@ -74,6 +76,11 @@ class GlobalBatchSampler(Sampler[list[int]]):
     Iterating does not move the position (epoch, offset in samples): DataLoader workers
     fetch ahead of the training loop, so the consumer moves it with `seek`, as
     spotring.DataLoader does after every K micro-batches it hands out.
+
+    num_samples: the dataset's length. global_batch: G, a multiple of world_size x
+    accumulation. rank, world_size: this worker's place. accumulation: K, micro-steps
+    per global batch (spotring.split_global_batch chooses one). seed: of the order.
+    ConfigError for values that do not fit together, naming what would.
     """
 
     def __init__(self, num_samples: int, global_batch: int, *, rank: int, world_size: int,

@@ -21,16 +21,18 @@ training job on its own slice of this machine or of a cluster (also `python -m s
     spotring sweep sweep.slurm=true sweep.parallel=8 sweep.nodes=2
                                   each trial a SLURM job of 2 nodes, 8 queued at a time
 
-Run the same command again to continue a sweep that stopped (Ctrl-C, a crash, a lost
-machine): finished trials are kept, interrupted ones resume from their checkpoints.
-Everything goes to sweep.dir (runs/sweeps/NAME): study.journal (Optuna's), trials/NNN/
-(each trial's run directory: SPOTRING_RUN_DIR for a command), sweep_report.md with its
-plots, best_config.yaml (the trainer; for a command, the report shows the best command).
-Keys: sweep/config.py; what a trial's processes get: sweep/runner.py; the guide:
-docs/sweeps.md.
+The trainer's sweep is a command's like any other: its trials run `spotring train FIXED
+KEY=VALUE...` (sweep/config.py). Run the same command again to continue a sweep that
+stopped (Ctrl-C, a crash, a lost machine): finished trials are kept, interrupted ones
+resume from their checkpoints. Everything goes to sweep.dir (runs/sweeps/NAME):
+study.journal (Optuna's), trials/NNN/ (each trial's run directory, its
+SPOTRING_RUN_DIR), sweep_report.md with its plots and the best trial's command, which
+trains it again. Keys: sweep/config.py; what a trial's processes get: sweep/runner.py;
+the guide: docs/sweeps.md.
 
 Exit codes: 0 the study has its trials (failed ones included), 1 no trial completed or
 an error, 2 bad input (nothing was started), 75 stopped by a signal (run it again).
+A trial's own exits: docs/exit-codes.md.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from spotring.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, ConfigError
-from spotring.launch.console import interrupt_on_termination, log_to, split_trainer_args
+from spotring.launch.console import interrupt_on_termination, log_to, split_dashes
 from spotring.sweep import config
 
 log = logging.getLogger("launch")
@@ -53,7 +55,7 @@ log = logging.getLogger("launch")
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    ours, after_dashes = split_trainer_args(argv)
+    ours, after_dashes = split_dashes(argv)
     parser = argparse.ArgumentParser(
         prog="spotring sweep", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -126,7 +128,8 @@ def _slots(plan: config.Plan) -> list:
     if cfg.cluster is None:
         return slots.local_slots(cfg.parallel, cfg.workers, cfg.hourly_price)
     return slots.cluster_slots(cfg.cluster, cfg.runs_dir, cfg.parallel, cfg.nodes,
-                               cfg.launcher, plan.command, cfg.name, cfg.hourly_price)
+                               cfg.launcher, plan.command_for(plan.first()), cfg.name,
+                               cfg.hourly_price)
 
 
 if __name__ == "__main__":

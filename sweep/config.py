@@ -2,8 +2,11 @@
 checks that run before any trial: the search space in Hydra's sweep grammar, turned
 into Optuna's distributions, and everything a trial would fail on.
 
-What a trial runs, from the words after `--` (launch.contract.split_command tells them
-apart): the built-in trainer with its overrides, or a command of the user's own.
+What a trial runs is a command with a placeholder {KEY} for each param, which each trial
+fills with its value. From the words after `--` (launch/contract.py): a command of the
+user's own, or the built-in trainer's overrides, which make it `spotring train FIXED...
+KEY={KEY}...` (sweep.args and the plain values among the overrides fixed, the search
+expressions among them params); from there on the trainer's sweep is a command's.
 
     sweep.params        KEY: EXPRESSION, in Hydra's override grammar (what
                         hydra-optuna-sweeper reads too):
@@ -14,21 +17,25 @@ apart): the built-in trainer with its overrides, or a command of the user's own.
                           tag(int, interval(16, 256))     integers in [low, high]
                         For the trainer, KEY is any trainer key (optim.lr, model.width) or
                         config group (model: choice(convnet, fast_convnet)). For a command,
-                        KEY names a placeholder {KEY} of the command, which each trial
-                        fills with its value (`python train.py --lr {lr}`); every param
-                        is one of the command's placeholders and every placeholder a param.
+                        KEY names a placeholder {KEY} of the command; every param is one of
+                        the command's placeholders and every placeholder a param.
                         Also on the command line: 'sweep.params.KEY=EXPRESSION'.
-    sweep.args          trainer overrides every trial gets (also: after `--`)
+    sweep.args          the trainer's overrides every trial gets (also: after `--`)
     sweep.objectives    [METRIC, ...], the first the main one: a number of the trial's
                         summary.json (job.finish(**results) writes it), or dollars (needs
                         a price). METRICS have their direction; any other name is
                         written NAME:min or NAME:max (val_loss:min).
+
+Before any trial, the command is checked with the values that stand for each dimension
+(launch.project.check_command: what the trainer says of its overrides, on the trial's
+workers; a command's script in the project), with every other problem in one message.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,9 +45,8 @@ from omegaconf import MISSING, DictConfig
 
 from spotring.exits import ConfigError
 from spotring.launch import project
-from spotring.launch.contract import split_command
+from spotring.launch.contract import command_of, split_command
 from spotring.options import choices, one_of
-from spotring.trainer import config as trainer_config
 from spotring.trainer.compose import compose_checked
 
 SamplerName = choices("SamplerName", "auto grid random tpe nsga2")
@@ -54,7 +60,7 @@ class SweepConfig:
     # directory continues the same study: finished trials are never run again.
     dir: str = "runs/sweeps/${.name}"
     params: dict[str, str] = field(default_factory=dict)  # KEY: Hydra sweep expression
-    args: list[str] = field(default_factory=list)  # trainer overrides of every trial
+    args: list[str] = field(default_factory=list)  # the trainer's overrides of every trial
     # METRIC, or NAME:min / NAME:max for a number only the user's script reports.
     objectives: list[str] = field(default_factory=lambda: ["test_accuracy"])
     # auto: grid when every param is a choice or range and sweep.trials covers them
@@ -76,9 +82,8 @@ class SweepConfig:
     # $/hour of this machine (or of one cluster node): trials are billed for their wall
     # time and their share, and `dollars` becomes an objective and a report column.
     hourly_price: float | None = None
-    # s3://bucket/prefix: each trial checkpoints to URI/sweeps/NAME/trials/NNN (a
-    # command's trials get it as SPOTRING_CHECKPOINT_URI) and the study's journal goes to
-    # URI/sweeps/NAME/. For the trainer, checkpoint.uri among its arguments does the same.
+    # s3://bucket/prefix: each trial checkpoints to URI/sweeps/NAME/trials/NNN (its
+    # SPOTRING_CHECKPOINT_URI) and the study's journal goes to URI/sweeps/NAME/.
     checkpoint_uri: str | None = None
     # A cluster `spotring up` brought up (its run id, or "latest"): the trials run across
     # its nodes, sweep.nodes each, instead of on this machine.
@@ -113,12 +118,9 @@ METRICS = {"test_accuracy": "maximize", "images_per_second": "maximize",
            "parameter_mb": "minimize", "peak_memory_mb": "minimize", "dollars": "minimize"}
 DIRECTIONS = {"min": "minimize", "max": "maximize", "minimize": "minimize",
               "maximize": "maximize"}
-# What the trainer reports at every evaluation (metrics.jsonl, kind=test): what a
-# pruner can judge its trials by (record_field).
-PRUNABLE = ("test_accuracy", "test_loss")
 LAUNCHERS = ("torchrun", "horovodrun", "mpirun")
 # {KEY} in a command's words, where KEY is a param; ${VAR} is the shell's, not one.
-PLACEHOLDER = re.compile(r"(?<!\$)\{([A-Za-z_][\w.\-]*)\}")
+PLACEHOLDER = re.compile(r"(?<!\$)\{([A-Za-z_][\w.\-/]*)\}")
 # sweep.params.KEY=EXPRESSION among the sweep's overrides (Hydra would refuse a sweep
 # expression there: it takes it for a --multirun sweep).
 _PARAM_OVERRIDE = re.compile(r"^\+{0,2}sweep\.params\.([^=]+)=(.*)$", re.DOTALL)
@@ -248,24 +250,27 @@ class Plan:
 
     cfg: DictConfig  # the composed sweeper config (cfg.sweep)
     params: list[Param]
-    args: list[str]  # the fixed trainer overrides of every trial
+    command: list[str]  # what every trial runs, with a {KEY} for each param
     objectives: dict[str, str]  # metric -> maximize | minimize, in order
     sampler: str  # grid | random | tpe | nsga2
     trials: int
-    command: list[str] = field(default_factory=list)  # the user's, with {KEY}s; [] trainer
     checkpoint_uri: str | None = None  # the sweep's, each trial under it
 
     @property
     def identity(self) -> dict[str, Any]:
         """What makes two command lines the same study: a sweep dir holding another one
         is refused rather than mixed."""
-        identity = {"params": {p.key: p.expression for p in self.params}, "args": self.args,
-                    "objectives": self.objectives}
-        return identity | ({"command": self.command} if self.command else {})
+        return {"params": {p.key: p.expression for p in self.params},
+                "command": self.command, "objectives": self.objectives}
 
     def command_for(self, texts: dict[str, str]) -> list[str]:
-        """The user's command with each {KEY} replaced by ``texts[KEY]``."""
+        """The command with each {KEY} replaced by ``texts[KEY]``."""
         return [PLACEHOLDER.sub(lambda m: texts[m.group(1)], word) for word in self.command]
+
+    def first(self) -> dict[str, str]:
+        """A value of each param (the first that stands for its dimension): with them,
+        ``command_for`` is a command some trial runs."""
+        return {p.key: p.text(p.values_to_check()[0]) for p in self.params}
 
 
 def compose(overrides: list[str]) -> DictConfig:
@@ -277,8 +282,8 @@ def compose(overrides: list[str]) -> DictConfig:
 
 def plan(overrides: list[str], after_dashes: list[str]) -> Plan:
     """Compose and check a sweep: sweep.params.KEY=EXPRESSION overrides join
-    sweep.params; after `--`, the trainer's overrides (whose sweep-grammar values join
-    sweep.params) or a command. Raises ConfigError naming every problem; writes no file
+    sweep.params; after `--`, a command, or the trainer's overrides (whose sweep-grammar
+    values join sweep.params). Raises ConfigError naming every problem; writes no file
     and starts nothing."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -294,14 +299,17 @@ def plan(overrides: list[str], after_dashes: list[str]) -> Plan:
     params = dict(sweep.params) | given
     params |= {o.key_or_group: o.input_line.split("=", 1)[1] for o in parsed
                if o.is_sweep_override()}
-    args = [*sweep.args, *(o.input_line for o in parsed if not o.is_sweep_override())]
-    space = parse_params(params)
     problems = []
+    if command and sweep.args:
+        problems.append(f"sweep.args={list(sweep.args)}: the trainer's overrides, and the "
+                        f"trials run the command `{' '.join(command)}`; put fixed "
+                        "arguments in the command")
+    fixed = [*sweep.args, *(o.input_line for o in parsed if not o.is_sweep_override())]
+    command = command_of([*fixed, *(f"{key}={{{key}}}" for key in params)], command)
+    space = parse_params(params)
     if not space:
         problems.append("sweep.params is empty: name at least one KEY: choice(...), "
                         "range(...) or interval(...) to search over")
-    if command:
-        problems += _command_problems(sweep, command, space)
     objectives = _objectives(list(sweep.objectives), problems)
     priced = sweep.hourly_price is not None or sweep.cluster is not None
     if "dollars" in objectives and not priced:
@@ -310,13 +318,12 @@ def plan(overrides: list[str], after_dashes: list[str]) -> Plan:
     sampler, trials = _sampler(sweep, space, len(objectives), problems)
     if sweep.pruner != "none":
         first = next(iter(objectives), None)
-        prunable = [m for m in (PRUNABLE if not command else objectives) if m != "dollars"]
-        if len(objectives) != 1 or first not in prunable:
+        if len(objectives) != 1 or not _prunable(first):
             problems.append(
                 f"sweep.pruner={sweep.pruner} with objectives {', '.join(objectives)}: a "
-                f"pruner judges one objective reported at every evaluation; valid: "
-                f"{' or '.join(prunable) or 'a metric of kind=test records'} alone, or "
-                "sweep.pruner=none")
+                "pruner judges one objective that every evaluation reports (kind=test "
+                "records of metrics.jsonl); valid: test_accuracy, test_loss or a metric "
+                "of your script's own, alone, or sweep.pruner=none")
     for key, value in {"sweep.parallel": sweep.parallel, "sweep.workers": sweep.workers,
                        "sweep.nodes": sweep.nodes}.items():
         if value < 1:
@@ -329,41 +336,67 @@ def plan(overrides: list[str], after_dashes: list[str]) -> Plan:
     if sweep.slurm and sweep.cluster is not None:
         problems.append(f"sweep.slurm=true with sweep.cluster={sweep.cluster}: trials run "
                         "either as SLURM jobs or on a launched cluster; choose one")
+    plan = Plan(cfg, space, command, objectives, sampler, trials, sweep.checkpoint_uri)
+    holes = _placeholder_problems(plan)
+    problems += holes or _trial_problems(plan)
     if problems:
         raise ConfigError("bad sweep:\n  - " + "\n  - ".join(problems))
-    uri = sweep.checkpoint_uri
-    if not command:
-        uri = uri or check_trials(args, space).checkpoint.uri
-    return Plan(cfg, space, args, objectives, sampler, trials, command, uri)
+    return plan
 
 
-def _command_problems(sweep: DictConfig, command: list[str], space: list[Param]) -> list[str]:
-    """What is wrong with a sweep of the user's ``command``: its script not in the
-    project (this directory), a param it has no placeholder for, a placeholder no param
-    fills, trainer overrides it cannot take."""
-    problems = []
-    try:
-        project.check_command(Path.cwd(), command)
-    except ConfigError as e:
-        problems.append(str(e))
-    shown = " ".join(command)
-    holes = list(dict.fromkeys(m.group(1) for word in command
+def _prunable(objective: str | None) -> bool:
+    """Whether every evaluation can report ``objective``: one of the known METRICS that
+    evaluations give (test_*), or one of the script's own; not a whole run's figure."""
+    return objective is not None and (objective.startswith("test_") or objective not in METRICS)
+
+
+def _placeholder_problems(plan: Plan) -> list[str]:
+    """A param the command has no placeholder for, a placeholder no param fills."""
+    problems, shown = [], " ".join(plan.command)
+    holes = list(dict.fromkeys(m.group(1) for word in plan.command
                                for m in PLACEHOLDER.finditer(word)))
-    unused = [p.key for p in space if p.key not in holes]
+    unused = [p.key for p in plan.params if p.key not in holes]
     if unused:
         problems.append(
             f"sweep.params {', '.join(unused)}: not in the command `{shown}`; write each "
             f"where the script takes its value ({' '.join(f'{{{k}}}' for k in unused)}, "
             "e.g. `--lr {lr}`), or start from sweep=custom, which has no params")
-    unknown = [h for h in holes if h not in {p.key for p in space}]
+    unknown = [h for h in holes if h not in {p.key for p in plan.params}]
     if unknown:
         problems.append(
             f"the command's {', '.join(f'{{{h}}}' for h in unknown)}: no such param; "
-            f"valid: {', '.join(f'{{{p.key}}}' for p in space) or 'none'} (add one with "
-            f"'sweep.params.{unknown[0]}=choice(...)')")
-    if sweep.args:
-        problems.append(f"sweep.args={list(sweep.args)}: trainer overrides, and the trials "
-                        f"run the command `{shown}`; put fixed arguments in the command")
+            f"valid: {', '.join(f'{{{p.key}}}' for p in plan.params) or 'none'} (add one "
+            f"with 'sweep.params.{unknown[0]}=choice(...)')")
+    return problems
+
+
+def _trial_problems(plan: Plan) -> list[str]:
+    """Why a trial would not start: the command with each value that stands for a
+    dimension (the others at their first), checked as the trial's workers would start it
+    (launch.project.check_command), so that an unknown key, a bad group option, a value
+    the trainer refuses or a missing script stops the sweep before any trial."""
+    sweep = plan.cfg.sweep
+    # A trial's workers, where the slots are known now (a cluster's nodes are not).
+    sizes = [] if sweep.cluster else [sweep.workers * (sweep.nodes if sweep.slurm else 1)]
+    first = plan.first()
+
+    def check(texts: dict[str, str]) -> str | None:
+        try:
+            project.check_command(Path.cwd(), plan.command_for(texts), sizes)
+        except ConfigError as e:
+            return str(e).replace("\n", "\n    ")
+        return None
+
+    if (why := check(first)) is not None:
+        return [f"a trial would not start: `{shlex.join(plan.command_for(first))}`: {why}"]
+    problems = []
+    for param in plan.params:
+        for value in param.values_to_check()[1:]:
+            if (why := check(first | {param.key: param.text(value)})) is not None:
+                problems.append(f"a trial would not start: sweep.params: "
+                                f"{param.key}={param.text(value)} (from {param.expression}): "
+                                f"{why}")
+                break
     return problems
 
 
@@ -415,24 +448,3 @@ def _sampler(sweep: DictConfig, space: list[Param], objectives: int,
     elif name == "grid" and trials > grid:
         trials = grid  # every point once; more would repeat them
     return name, trials
-
-
-def check_trials(args: list[str], space: list[Param]) -> DictConfig:
-    """Compose and validate the trainer config of the fixed arguments with each value
-    that stands for a dimension, so that an unknown key, a bad group option or a value
-    the trainer refuses stops the sweep before any trial. Returns the fixed arguments'
-    config."""
-    base = trainer_config.compose(args)
-    trainer_config.validate(base)
-    problems = []
-    for param in space:
-        for value in param.values_to_check():
-            try:
-                trainer_config.validate(trainer_config.compose([*args, param.override(value)]))
-            except ConfigError as e:
-                problems.append(f"sweep.params: {param.key}={override_text(value)} "
-                                f"(from {param.expression}): {e}")
-                break
-    if problems:
-        raise ConfigError("a trial would not start:\n  - " + "\n  - ".join(problems))
-    return base

@@ -1,9 +1,8 @@
 """The sweep's report: SWEEP_DIR/sweep_report.md and its PNGs, from plain rows.
 
     sweep_report.md           the study, its trial counts, objectives and command; the best
-                              trial (or the Pareto set) with its config (the trainer) or its
-                              command line (a command of the user's) to train it again; one
-                              table of every trial, best first
+                              trial (or the Pareto set) with its command line, which trains
+                              it again; one table of every trial, best first
     optimization_history.png  objective 1 per trial and the best so far (complete trials)
     pareto_front.png          two objectives against each other, Pareto members joined
                               (two or more objectives only)
@@ -15,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -110,11 +108,9 @@ def pareto_front(values: list[list[float]], directions: list[str]) -> list[int]:
 
 
 def write(sweep_dir: Path, name: str, objectives: dict[str, str], rows: list[TrialRow],
-          best: list[int], best_config: Path | None, command: str,
-          best_command: list[str] | None = None) -> Path:
-    """Write sweep_dir/sweep_report.md (+ PNGs), return its path. ``best_config`` (the
-    trainer's) or ``best_command`` (the user's command with the best trial's values):
-    how to train the best trial again."""
+          best: list[int], command: str, best_command: list[str] | None = None) -> Path:
+    """Write sweep_dir/sweep_report.md (+ PNGs), return its path. ``best_command``: the
+    trials' command with the best trial's values, which trains it again."""
     sweep_dir = Path(sweep_dir)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     by_number = {r.number: r for r in rows}
@@ -125,8 +121,7 @@ def write(sweep_dir: Path, name: str, objectives: dict[str, str], rows: list[Tri
         _overview(objectives, rows),
         f"```sh\n{command}\n```\n\nThe same command in the same directory continues the "
         "study; finished trials are not run again.",
-        _best(sweep_dir, objectives, [by_number[n] for n in best if n in by_number],
-              best_config, best_command),
+        _best(objectives, [by_number[n] for n in best if n in by_number], best_command),
         "## Trials",
         _trials(objectives, rows, pareto),
     ]
@@ -154,8 +149,8 @@ def _overview(objectives: dict[str, str], rows: list[TrialRow]) -> str:
     return line + "."
 
 
-def _best(sweep_dir: Path, objectives: dict[str, str], best: list[TrialRow],
-          best_config: Path | None, best_command: list[str] | None) -> str:
+def _best(objectives: dict[str, str], best: list[TrialRow],
+          best_command: list[str] | None) -> str:
     if not best:
         return "## Best trial\n\nNo trial has completed yet."
     several = len(objectives) > 1
@@ -163,12 +158,6 @@ def _best(sweep_dir: Path, objectives: dict[str, str], best: list[TrialRow],
     parts = [f"## Pareto front ({len(best)} trials)" if several else "## Best trial",
              "\n".join(lines) if several else lines[0][2:]]
     whose = f" (trial {best[0].number}, the first of the front)" if several else ""
-    if best_config is not None:
-        link = Path(os.path.relpath(best_config, sweep_dir)).as_posix()
-        train = (f"spotring train --config-dir {shlex.quote(str(best_config.parent))} "
-                 f"--config-name {shlex.quote(best_config.stem)}")
-        parts.append(f"Its config{whose}: [{link}]({link}); train it again with\n\n"
-                     f"```sh\n{train}\n```")
     if best_command is not None:
         parts.append(f"Its command{whose}, to train it again from the project directory:"
                      f"\n\n```sh\n{shlex.join(best_command)}\n```")
@@ -259,8 +248,8 @@ def _draw(sweep_dir: Path, objectives: dict[str, str], rows: list[TrialRow],
         return []
     try:
         # Here, not at the top: the runner imports this module before any trial, and
-        # matplotlib is an extra. benchmarks.plots sets the Agg backend.
-        from spotring.benchmarks import plots
+        # matplotlib is an extra. spotring.plotting sets the Agg backend.
+        from spotring import plotting as plots
     except ImportError:
         return None
     drawn = [HISTORY]

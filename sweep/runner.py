@@ -3,8 +3,9 @@ to the study, until the study has its trials.
 
 Every trial is a whole spotring training job in SWEEP_DIR/trials/NNN/ (train.log,
 metrics.jsonl, tensorboard/, checkpoints/, summary.json, and trial.log: what its
-processes printed): the trainer, or the user's command with the trial's values in its
-placeholders. Every process of it gets the contract's variables (launch/contract.py):
+processes printed): the plan's command with the trial's values in its placeholders
+(`spotring train ... optim.lr=0.0123` for the trainer). Every process of it gets the
+contract's variables (spotring/contract.py):
 
     SPOTRING_RUN_ID          NAME/NNN, the same for every attempt of the trial
     SPOTRING_RUN_DIR         its run directory (on a cluster: on its slice's first node)
@@ -17,22 +18,24 @@ How a trial ends decides what the study records:
     summary.json written          complete, with the objectives read from it (failed
                                   where it lacks one)
     the pruner stopped it         pruned (at its last reported evaluation)
-    diverged.json (exit 65)       failed: the loss became NaN or infinite
-    bad input (exit 2)            failed: the trainer (or the command) refused its
-                                  arguments
-    anything else (killed,        resumed from its own checkpoint, in the same run
-    preempted, a rank lost)       directory, up to sweep.max_retries times; then failed
+    any other end                 the restart policy (spotring.exits, POLICY below;
+                                  docs/exit-codes.md): where it runs the job again, the
+                                  trial resumes from its own checkpoint in the same run
+                                  directory, up to sweep.max_retries times; else, or
+                                  then, failed (a divergence, bad input, a failure that
+                                  repeats at the same step)
 
-The exit is read by spotring.exits.classify; a divergence by its note, which rank 0
-leaves whatever the launcher (torchrun exits 1) makes of the trainer's exit 65.
+The exit is read with rank 0's note where it left one (spotring.exits.with_note: torchrun
+exits 1 whatever the trainer's exit 65 or 75), and the step a try reached from its
+metrics (launch.tries.step_reached).
 
 A slot is free again the moment its trial ends. Trials the study holds as running when
 the sweep starts (a sweep that was stopped or killed) resume first; finished ones are
 never run again. Two counts per trial, both in the study (user attrs), so that they
 outlive the sweep process and the Trial objects, which are new on every attempt:
 `starts`, its attempts (restarts = starts - 1, whatever stopped the one before), and
-`retries`, those charged to the trial (killed or preempted while the sweep ran) against
-sweep.max_retries.
+`retries`, those charged to the trial (its own stops while the sweep ran) against
+sweep.max_retries; `ended`, [exit, step] of its last attempt, tells a repeat.
 """
 
 from __future__ import annotations
@@ -47,13 +50,21 @@ from pathlib import Path
 from typing import IO, Any
 
 import optuna
-from omegaconf import OmegaConf
 from optuna.trial import TrialState
 
 from spotring import checkpoint, contract
-from spotring.exits import DIVERGED, Outcome, classify
-from spotring.launch.job_command import NOTES
-from spotring.stores import write_atomic
+from spotring.exits import (
+    DIVERGED,
+    EXIT_OK,
+    MAX_PREEMPTIONS,
+    MAX_RESTARTS,
+    NOTES,
+    Launcher,
+    Outcome,
+    classify,
+    with_note,
+)
+from spotring.launch.tries import step_reached
 from spotring.sweep import report
 from spotring.sweep.config import Plan, record_field
 from spotring.sweep.slots import TRIAL_LOG, Attempt, Slot, Work
@@ -64,6 +75,13 @@ POLL_S = 1.0  # how often trials are checked for their end and new evaluations
 STATES = {TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned",
           TrialState.FAIL: "failed", TrialState.RUNNING: "running", TrialState.WAITING: "running"}
 PARAMS = "SPOTRING_PARAMS"  # a trial's values as JSON, for scripts that read them there
+# How `spotring sweep` applies the restart policy (docs/exit-codes.md).
+POLICY = Launcher(
+    "spotring sweep", {MAX_PREEMPTIONS: "sweep.max_retries", MAX_RESTARTS: "sweep.max_retries"},
+    sees_steps=True,
+    reason="one budget, `sweep.max_retries`, for every retry: a trial is one of many, and "
+           "each gets the same small allowance whatever stopped it; a trial that the sweep "
+           "itself stopped (Ctrl-C, a signal, its pruner) spends none of it.")
 
 
 @dataclass
@@ -73,6 +91,7 @@ class Running:
     attempt: Attempt
     log: IO[bytes]
     started: float = field(default_factory=time.monotonic)
+    started_at: float = field(default_factory=time.time)  # for the records of this attempt
     reported: set[int] = field(default_factory=set)  # steps already told to the pruner
     pruned: str = ""  # why, once the pruner stopped it
 
@@ -141,12 +160,7 @@ class Runner:
                                    restart, uri)
         env[PARAMS] = json.dumps({p.key: p.value(trial.params[p.key])
                                   for p in self.plan.params})
-        texts = self._params(trial.params)
-        if self.plan.command:
-            return Work([], self.plan.command_for(texts), env)
-        args = [a for a in self.plan.args if not a.startswith("checkpoint.uri=")]
-        args += [f"checkpoint.uri={uri}"] if uri else []
-        return Work([*args, *(f"{k}={v}" for k, v in texts.items())], [], env)
+        return Work(self.plan.command_for(self._params(trial.params)), env)
 
     def _start(self, trial: optuna.trial.Trial, slot: Slot) -> None:
         trial_dir = self.trial_dir(trial.number)
@@ -203,8 +217,7 @@ class Runner:
                 return
 
     def _finish(self, running: Running, code: int) -> None:
-        number, trial_dir, sweep = running.number, self.trial_dir(running.number), \
-            self.plan.cfg.sweep
+        number, trial_dir = running.number, self.trial_dir(running.number)
         running.slot.collect(trial_dir)
         if running.attempt.procs:
             _stamp(running.log, f"ended: exit {code}")
@@ -217,9 +230,7 @@ class Runner:
         running.trial.set_user_attr("wall_seconds", wall)
         if running.slot.hourly_price is not None:
             running.trial.set_user_attr("dollars", running.slot.hourly_price * wall / 3600)
-        summary = _read_json(trial_dir / "summary.json") if code == 0 else None
-        diverged = _read_json(trial_dir / DIVERGED)
-        retries = attrs.get("retries", 0)
+        summary = _read_json(trial_dir / "summary.json") if code == EXIT_OK else None
         if running.pruned:
             self._tell(running, running.pruned, state=TrialState.PRUNED)
         elif summary is not None:
@@ -234,18 +245,32 @@ class Runner:
             shown = ", ".join(f"{m} {v:.4g}" for m, v in zip(self.plan.objectives, values,
                                                               strict=True))
             self._tell(running, f"complete: {shown}", values=values)
-        elif diverged is not None:
+        else:
+            self._after(running, code, attrs)
+
+    def _after(self, running: Running, code: int, attrs: dict[str, Any]) -> None:
+        """An attempt that ended without a result: retried, or failed, by the policy."""
+        number, trial_dir = running.number, self.trial_dir(running.number)
+        code = with_note(code, next((n for n in NOTES if (trial_dir / n).exists()), None))
+        ended = [code, step_reached(trial_dir, running.started_at)]
+        running.trial.set_user_attr("ended", ended)
+        answer = POLICY.verdict(code, repeated=attrs.get("ended") == ended)
+        retries, most = attrs.get("retries", 0), self.plan.cfg.sweep.max_retries
+        diverged = _read_json(trial_dir / DIVERGED)
+        if classify(code) is Outcome.DIVERGED and diverged is not None:
             self._tell(running, f"diverged at step {diverged['step']} (loss "
                                 f"{diverged['loss']})", state=TrialState.FAIL)
-        elif classify(code) is Outcome.BAD_INPUT:
-            who = "the command" if self.plan.command else "the trainer"
-            self._tell(running, f"{who} refused its arguments (exit {code}; see "
+        elif answer.budget is None:
+            why = "no summary.json" if classify(code) is Outcome.DONE else answer.why
+            self._tell(running, f"exit {code} at step {ended[1]}: {why} (see "
                                 f"{trial_dir / TRIAL_LOG})", state=TrialState.FAIL)
-        elif retries < sweep.max_retries:
-            running.trial.set_user_attr("retries", retries + 1)
+        elif retries < most:
+            # Said before it is recorded: whoever sees the retry in the study (a test, a
+            # second look at a sweep killed meanwhile) finds the line in the log too.
+            log.info("sweep: trial %d stopped (exit %d, %s); it resumes from its checkpoint "
+                     "(retry %d of %d)", number, code, answer.why, retries + 1, most)
             running.trial.set_user_attr("note", f"exit {code}; resumed from its checkpoint")
-            log.info("sweep: trial %d stopped (exit %d); it resumes from its checkpoint "
-                     "(retry %d of %d)", number, code, retries + 1, sweep.max_retries)
+            running.trial.set_user_attr("retries", retries + 1)
             self.resume.appendleft(number)
         else:
             self._tell(running, f"exit {code} after {retries} retries (see "
@@ -284,32 +309,11 @@ class Runner:
             for t in trials]
         best = [t.number for t in study.best_trials] if any(
             t.state == TrialState.COMPLETE for t in trials) else []
-        best_config, best_command = None, None  # how to train the best trial again
-        if best and self.plan.command:
-            best_command = self.plan.command_for(self._params(trials[best[0]].params))
-        elif best:
-            best_config = self._best_config(trials[best[0]])
+        # The best trial's command: what trains it again.
+        best_command = self.plan.command_for(self._params(trials[best[0]].params)) \
+            if best else None
         return report.write(self.sweep_dir, self.plan.cfg.sweep.name, self.plan.objectives,
-                            rows, best, best_config, command, best_command)
-
-    def _best_config(self, trial: optuna.trial.FrozenTrial) -> Path:
-        """BEST.yaml: the trainer's config with the best trial's overrides, which
-        `spotring train --config-dir SWEEP_DIR --config-name best_config` runs as it is."""
-        overrides = [a for a in self.plan.args if not a.startswith(("hydra.", "checkpoint.uri"))]
-        overrides += [f"{k}={v}" for k, v in self._params(trial.params).items()]
-        groups = [o for o in overrides if _is_group(o.split("=", 1)[0])]
-        values = OmegaConf.from_dotlist([o for o in overrides if o not in groups])
-        body = OmegaConf.to_yaml(values) if values else ""
-        path = self.sweep_dir / "best_config.yaml"
-        lines = [f"# The best trial ({trial.number}) of sweep {self.plan.cfg.sweep.name}: "
-                 + ", ".join(f"{m} {v:.4g}" for m, v in zip(self.plan.objectives, trial.values,
-                                                             strict=True)),
-                 f"#   spotring train --config-dir {self.sweep_dir} --config-name best_config",
-                 "defaults:", "  - config",
-                 *(f"  - override /{g.split('=', 1)[0]}: {g.split('=', 1)[1]}" for g in groups),
-                 "  - _self_", body]
-        write_atomic(path, "\n".join(lines).encode())
-        return path
+                            rows, best, command, best_command)
 
 
 def _stamp(log: IO[bytes], event: str) -> None:
@@ -318,12 +322,6 @@ def _stamp(log: IO[bytes], event: str) -> None:
     now = datetime.datetime.now().isoformat(sep=" ", timespec="milliseconds")
     log.write(f"spotring sweep: {now} attempt {event}\n".encode())
     log.flush()
-
-
-def _is_group(key: str) -> bool:
-    from importlib.resources import files
-
-    return "." not in key and files("spotring.conf").joinpath(key).is_dir()
 
 
 def _has_checkpoint(trial_dir: Path) -> bool:

@@ -10,15 +10,14 @@
                           `spotring run` starts it (launch/job_command.py)
     SLURM                 a SLURM job of sweep.nodes nodes x sweep.workers tasks (srun)
 
-A trial (Work) is the trainer with its overrides, or the user's command:
+A trial (Work) is a command (the trainer's `spotring train ...` or the user's own, CMD):
 
-    here, 1 worker        python -m spotring.trainer hydra.run.dir=DIR ARGS      CMD
-    here, W workers       torchrun --standalone --nproc-per-node W ...
-                                   -m spotring.trainer ...                       ... --no-python CMD
-    a cluster             launch.job_command.build's job, with the trainer or CMD
-    SLURM                 srun ... python -m spotring.trainer ...                srun ... CMD
+    here, 1 worker        CMD
+    here, W workers       torchrun --standalone --nproc-per-node W --no-python CMD
+    a cluster             launch.job_command.build's job of CMD
+    SLURM                 srun ... CMD
 
-Every process of it gets Work.env: the contract's variables (launch/contract.py), with
+Every process of it gets Work.env: the contract's variables (spotring/contract.py), with
 SPOTRING_RUN_DIR the trial's run directory (Slot.run_dir), and SPOTRING_PARAMS.
 
 A trial's run directory is SWEEP_DIR/trials/NNN here. On a cluster rank 0 writes it
@@ -92,15 +91,11 @@ class Attempt:
 
 @dataclass(frozen=True)
 class Work:
-    """What one attempt of a trial runs: the trainer with ``args``, or ``command``."""
+    """What one attempt of a trial runs: ``command``, its placeholders filled, with ``env``
+    in every process's environment."""
 
-    args: list[str]  # the trainer's overrides (none with a command)
-    command: list[str]  # the user's command, its placeholders filled; [] for the trainer
-    env: dict[str, str]  # what every process of it gets
-
-    def trainer_args(self, trial_dir: Path) -> list[str]:
-        """The trainer's arguments after `python -m spotring.trainer`, writing to ``trial_dir``."""
-        return [f"hydra.run.dir={trial_dir}", *self.args]
+    command: list[str]
+    env: dict[str, str]
 
 
 class Slot:
@@ -133,8 +128,8 @@ class LocalSlot(Slot):
         self.hourly_price = None if machine_price is None else machine_price * share
 
     def start(self, trial_dir: Path, work: Work, log: IO[bytes]) -> Attempt:
-        argv = local_command("single" if self.workers == 1 else "torchrun", self.workers,
-                             work.trainer_args(trial_dir), command=work.command)
+        argv = local_command("single" if self.workers == 1 else "torchrun", self.workers, [],
+                             command=work.command)
         cores = self.cores
 
         def in_child() -> None:
@@ -195,7 +190,7 @@ class RemoteAttempt(Attempt):
                  run_dir: str) -> None:
         super().__init__(procs, group=False)
         self.ssh, self.nodes = ssh, nodes
-        # Its processes, the trainer's or a command's, by SPOTRING_RUN_DIR in their
+        # Its processes, by SPOTRING_RUN_DIR in their
         # environment (job_command gives it to every process of the job; their command
         # lines need not name the run directory). Not ssh clients, whose ends would hang
         # up what they started: horovodrun's on node 0, and on a local cluster, whose
@@ -244,8 +239,8 @@ class ClusterSlot(Slot):
         if files:
             self.ssh.run(self.nodes[0], f"tar -xzmf - -C {remote}", input=sync.tar(files))
         run_id = results.removeprefix("runs/")
-        job = job_command.build(self.launcher, self.nodes, self.workdir, run_id, work.args,
-                                command=work.command, env=work.env, results=results)
+        job = job_command.build(self.launcher, self.nodes, self.workdir, run_id, work.command,
+                                env=work.env, results=results)
         # A session of their own: a Ctrl-C here reaches the sweep, which stops the trial
         # (RemoteAttempt.stop), not the connections, whose end would kill it outright.
         procs = [self.ssh.popen(self.nodes[i], command, tty=True, stdin=subprocess.DEVNULL,
@@ -273,7 +268,7 @@ def cluster_slots(run_id: str, runs_dir: str, parallel: int, nodes_per_trial: in
                   hourly_price: float | None) -> list[Slot]:
     """The nodes of a run `spotring up` brought up (run_id, or "latest" for the newest),
     ``nodes_per_trial`` to a slot; the project (this directory) and the environment
-    that runs ``command`` (or the trainer) go onto them first, as `spotring run` does."""
+    that runs ``command`` (a trial's) go onto them first, as `spotring run` does."""
     from spotring.launch import config as launch_config
     from spotring.launch.clusters import provider_for
     from spotring.launch.run import prepare, ssh_for
@@ -351,7 +346,7 @@ class SlurmSlot(Slot):
         job_name = f"spotring-{self.sweep_name}-{trial_dir.name}"
         argv = ["srun", f"--nodes={self.nodes}", f"--ntasks-per-node={self.workers}",
                 f"--job-name={job_name}", "--kill-on-bad-exit=0", *self.options,
-                *local_command("single", 1, work.trainer_args(trial_dir), command=work.command)]
+                *work.command]
         # srun passes this environment on to every task (--export=ALL, its default).
         proc = subprocess.Popen(argv, env=local_environment(**work.env), stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

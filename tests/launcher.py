@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -103,10 +104,13 @@ class Followed:
         return code, self.text
 
 
-def notice_node_1(followed: Followed, trained: int) -> tuple[RunDir, netns.Names, float]:
+def notice_node_1(followed: Followed, trained: int
+                  ) -> tuple[RunDir, netns.Names, float, MetadataStub]:
     """EC2's spot notice for node 1 of the launch ``followed`` once node 0 logged step
-    ``trained``, and the job's stop for it (exit 75). Returns the run, its names and
-    when the notice came."""
+    ``trained``, and the job's stop for it (exit 75). The notice stays up, as EC2's does
+    until it takes the instance (or for good where it stops it instead): the launcher
+    takes node 1 down itself. Returns the run, its names, when the notice came and node
+    1's metadata service, for the caller to close."""
     followed.wait_for(lambda: run_dir_of(followed.text) is not None)
     run = run_dir_of(followed.text)
     names = netns.Names(run.id)
@@ -116,8 +120,34 @@ def notice_node_1(followed: Followed, trained: int) -> tuple[RunDir, netns.Names
     noticed = time.time()
     metadata.announce_interruption()
     followed.wait_for(lambda: "the job exited with code 75" in followed.text)
-    metadata.close()
-    return run, names, noticed
+    return run, names, noticed, metadata
+
+
+def launch_without_replacements(*args: str) -> subprocess.Popen:
+    """`python -m spotring.launch ARGS` on a local cluster that has room for no node
+    beyond those `up` made, as EC2 answers when the spot pool is empty (nothing real runs
+    out of room here): a replacement's creation raises NoCapacity, after the lost nodes
+    were taken down."""
+    program = textwrap.dedent("""\
+        import sys
+        from spotring.launch.__main__ import main
+        from spotring.launch.local.provider import LocalCluster
+        from spotring.launch.provider import NoCapacity
+
+        made = LocalCluster.create
+
+        def create(self, count):
+            def full(index):
+                raise NoCapacity(f"no room for node {index}: the pool is empty")
+            nodes = made(self, count)
+            self._add = full
+            return nodes
+
+        LocalCluster.create = create
+        sys.exit(main(sys.argv[1:], prog="python -m spotring.launch"))
+        """)
+    return subprocess.Popen([sys.executable, "-c", program, *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def metadata_service_of(ns: str) -> MetadataStub:

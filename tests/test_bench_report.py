@@ -242,7 +242,6 @@ def test_bad_bench_input_exits_2_before_anything_runs(tmp_path, args, named):
     (["--only", "trainer-before-after", "--before", "/no/such/checkout"], "/no/such/checkout"),
     (["--before", str(REPO)], "trainer-before-after"),  # the section not asked for
     (["--repeats", "0"], "0"),
-    (["--variant", "files"], "--data"),
 ])
 def test_bad_api_cost_input_exits_2_naming_it(tmp_path, capsys, args, named):
     from spotring.benchmarks import api_cost
@@ -253,11 +252,24 @@ def test_bad_api_cost_input_exits_2_naming_it(tmp_path, capsys, args, named):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("args, named", [
+    (["--variant", "files"], "--data"),
+    (["--variant", "bogus"], "'bogus'"),
+    (["--variant", "files", "--data", "x", "--loader-workers", "-1"], "-1"),
+])
+def test_bad_api_cost_run_exits_2_naming_it(capsys, args, named):
+    from spotring.benchmarks import api_cost_loops
+
+    with pytest.raises(SystemExit) as exited:
+        api_cost_loops.main(args)
+    assert exited.value.code == 2 and named in capsys.readouterr().err
+
+
 def test_every_command_has_help_under_its_spotring_name():
     for module, prog in (("suite", "spotring bench"), ("report", "spotring report"),
                          ("predict", "spotring predict")):
-        out = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--help"], cwd=REPO,
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run([sys.executable, "-m", f"spotring.benchmarks.{module}", "--help"],
+                             cwd=REPO, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and out.stdout.startswith(f"usage: {prog}"), out.stdout
 
 

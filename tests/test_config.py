@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from spotring.exits import ConfigError
-from spotring.trainer.config import validate
+from spotring.trainer.validation import validate
 from tests.conftest import REPO, compose_config, run_trainer
 
 
@@ -67,8 +67,8 @@ def test_an_unknown_torchvision_model_is_caught_with_a_suggestion():
 
 @pytest.mark.parametrize("override", [
     "train.batch_size=0", "train.epochs=-0.5", "train.accumulation=0", "optim.lr=0.0",
-    "optim.reference_batch=0", "train.max_steps=0", "engine.timeout_s=0.0",
-    "train.eval_samples=0", "checkpoint.keep=0", "dataset=synthetic dataset.train_size=0",
+    "optim.reference_batch=0", "train.max_steps=0", "train.eval_samples=0",
+    "dataset=synthetic dataset.train_size=0",
 ])
 def test_non_positive_sizes_are_refused(override):
     text = problems(*override.split())
@@ -85,6 +85,26 @@ def test_every_problem_is_listed_at_once():
 def test_typo_in_a_key_is_refused_by_the_schema():
     with pytest.raises(ConfigError, match="batchsize"):
         compose_config("train.batchsize=64")
+
+
+def test_an_option_the_chosen_engine_lacks_is_refused_naming_its_options_class():
+    # The engine node is the engine's own options class (spotring.HorovodOptions).
+    with pytest.raises(ConfigError, match="Key 'sync_bn' not in 'HorovodOptions'"):
+        compose_config("engine=horovod", "engine.sync_bn=true")
+    with pytest.raises(ConfigError, match="Key 'compression' not in 'DDPOptions'"):
+        compose_config("engine.compression=fp16")
+
+
+@pytest.mark.parametrize("override, says", [
+    ("engine.timeout_s=0", "engine.timeout_s=0.0: must be positive"),
+    ("engine.bucket_mb=0", "engine.bucket_mb=0.0: must be positive"),
+    ("preemption.check_every_steps=0", "preemption.check_every_steps=0: must be positive"),
+    ("checkpoint.keep=0", "checkpoint.keep=0: must be positive"),
+    ("checkpoint.uri=bucket/prefix", "checkpoint.uri=bucket/prefix: expected s3://bucket/"),
+])
+def test_spotrings_own_options_are_checked_by_spotrings_rules_under_the_trainers_keys(
+        override, says):
+    assert says in problems(override)
 
 
 def test_bad_input_exits_2_before_any_process_group(tmp_path):

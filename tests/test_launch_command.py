@@ -3,8 +3,9 @@ an installed wheel, run in a directory that holds only the user's project (train
 requirements.txt), never the spotring checkout.
 
     spotring launch cluster=local nodes=2 -- python train.py ...     a spot notice on node
-        1 replaces it; the job resumes with the same samples and ends with the weights of
-        an uninterrupted run; the replacement's environment is node 0's, copied
+        1 has the launcher replace it; the job resumes with the same samples and ends
+        with the weights of an uninterrupted run; the replacement's environment is node
+        0's, copied
     spotring up, then `spotring run` under torchrun, mpirun and none, and a failing
         command, on the same two nodes; then `spotring down`
 """
@@ -106,16 +107,19 @@ def _main_in(cwd: Path, main, argv: list[str]) -> tuple[int, str]:
 def launch_with_a_notice(venv: Path, root: Path, runs: Path, *overrides: str
                          ) -> tuple[int, str, RunDir, float]:
     """`spotring launch cluster=local nodes=2 -- python train.py ...` from ``root``, with a
-    spot notice for node 1 once training runs, and node 1 taken (EC2 does so) once the
-    job stopped for it. Returns the exit code, the output, the run and when the notice
-    came (also for benchmarks/results/recovery-local/measure.py)."""
+    spot notice for node 1 once training runs, which stays up (as EC2's does until it
+    takes the node): the launcher takes node 1 down and replaces it. Returns the exit
+    code, the output, the run and when the notice came (also for
+    benchmarks/results/recovery-local/measure.py)."""
     proc = spotring(venv, root, "launch", "cluster=local", "nodes=2",
                     "cluster.max_preemptions=1", "cluster.notice_poll_s=1", f"runs_dir={runs}",
                     *overrides, "--", "python", "train.py", *STEPS, "--sleep", "0.25")
     followed = Followed(proc)
-    run, names, noticed = notice_node_1(followed, trained=1)
-    netns.delete_namespace(names.ns(1))  # EC2 takes the noticed instance
-    code, out = followed.end()
+    run, _, noticed, metadata = notice_node_1(followed, trained=1)
+    try:
+        code, out = followed.end()
+    finally:
+        metadata.close()
     return code, out, run, noticed
 
 

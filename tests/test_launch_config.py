@@ -58,15 +58,25 @@ def problems(*overrides: str) -> str:
     (["cluster.ssh_cidr='2001:db8::/32'"], "cluster.ssh_cidr=2001:db8::/32: the security group "
                                            "takes an IPv4 range"),
     (["cluster.ssh_cidr=0.0.0.0/1"], "cluster.ssh_cidr=0.0.0.0/1: would open SSH to a"),
-    # The trainer's arguments, checked before any node is paid for:
-    (["job.args=['model=nosuch']"], "trainer arguments model=nosuch: In 'config': Could not "
-                                  "find 'model/nosuch'"),
-    (["job.args=['train.batch_size=0']"], "train.batch_size=0: must be positive"),
-    (["job.args=['hydra.run.dir=out']"], "hydra.run.dir: the launcher sets it"),
 ])
 def test_bad_input_is_named_with_what_is_valid(overrides, message):
     text = problems(*overrides)
     assert message in text and "Nothing was created" in text
+
+
+@pytest.mark.parametrize("words, named", [
+    (["--", "model=nosuch"], "Could not find 'model/nosuch'"),
+    (["job.args=['train.batch_size=0']"], "train.batch_size=0: must be positive"),
+    (["--", "spotring", "train", "optim.lr=abc"], "optim.lr=abc"),
+])
+def test_the_trainers_bad_overrides_stop_the_launch_before_anything(tmp_path, capsys, words,
+                                                                    named):
+    """The trainer is one more command, whose own check (spotring.cli.check_command) runs
+    before any node is paid for, however it is written."""
+    code = main(["launch", "cluster=local", f"runs_dir={tmp_path}", *words])
+    err = capsys.readouterr().err
+    assert code == 2 and named in err and err.startswith("spotring launch: error:"), err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_every_problem_at_once():

@@ -53,27 +53,29 @@ ENV = f"{LAUNCHER_ENV} SPOTRING_RUN_DIR=/w/runs/R"  # rank 0's run directory (la
 
 
 def test_the_job_command_of_each_launcher():
-    job = job_command.build("horovodrun", NODES, "/w", "R", ["train.epochs=3"])
+    # The trainer is a command like any other: its engine is its config's, its run
+    # directory the contract's SPOTRING_RUN_DIR.
+    job = job_command.build("horovodrun", NODES, "/w", "R", ["spotring", "train", "a=3"])
     assert job.commands == {0: f"cd /w && {ENV} exec horovodrun --gloo -np 8 --hostfile hosts "
-                               "--start-timeout 120 spotring train engine=horovod "
-                               "hydra.run.dir=runs/R train.epochs=3"}
+                               "--start-timeout 120 spotring train a=3"}
     # A command of the user's own, word for word, with the contract's variables.
-    job = job_command.build("horovodrun", NODES, "/w", "R", [], ["python", "t.py", "--lr", "0.1"],
+    job = job_command.build("horovodrun", NODES, "/w", "R", ["python", "t.py", "--lr", "0.1"],
                             {"SPOTRING_RUN_ID": "R"})
     assert job.commands[0].endswith("SPOTRING_RUN_DIR=/w/runs/R SPOTRING_RUN_ID=R exec "
                                     "horovodrun --gloo -np 8 --hostfile hosts --start-timeout 120 "
                                     "python t.py --lr 0.1")
-    job = job_command.build("mpirun", NODES, "/w", "R", [])
+    job = job_command.build("mpirun", NODES, "/w", "R", ["spotring", "train"])
     assert job.commands[0].startswith(
         f"cd /w && {ENV} exec mpirun -np 8 --hostfile hosts --prefix /w/.venv --bind-to none "
         "-x PATH -x OMPI_ALLOW_RUN_AS_ROOT")
-    job = job_command.build("torchrun", NODES, "/w", "R", ["engine=horovod"])
+    assert job.commands[0].endswith(" spotring train")
+    job = job_command.build("torchrun", NODES, "/w", "R", ["spotring", "train", "a=3"])
     assert job.commands == {i: f"cd /w && {ENV} exec torchrun --nnodes 2 --nproc-per-node 4 "
                                f"--node-rank {i} --master-addr 10.0.1.10 --master-port 29400 "
-                               "--no-python spotring train hydra.run.dir=runs/R engine=horovod"
+                               "--no-python spotring train a=3"
                             for i in (0, 1)}
     # No launcher: the command once per node, told its node's place.
-    job = job_command.build("none", NODES, "/w", "R", [], ["./run.sh"], results="out")
+    job = job_command.build("none", NODES, "/w", "R", ["./run.sh"], results="out")
     assert job.commands == {i: f"cd /w && {LAUNCHER_ENV} SPOTRING_RUN_DIR=/w/out NODE_RANK={i} "
                                "NNODES=2 NPROC_PER_NODE=4 "
                                "MASTER_ADDR=10.0.1.10 MASTER_PORT=29400 exec ./run.sh"
@@ -87,7 +89,7 @@ def test_the_trainers_exit_code_comes_through_horovodrun(tmp_path):
                            str(BIN / "python"), "-c", "import sys; sys.exit(75)"],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path,
                           env=local_environment())
-    job = job_command.build("horovodrun", NODES[:1], "/w", "R", [])
+    job = job_command.build("horovodrun", NODES[:1], "/w", "R", ["python", "x.py"])
     assert proc.returncode == 1
     assert job.exit_code(proc.returncode, proc.stdout + proc.stderr) == 75
     assert job.exit_code(0, "") == 0
@@ -100,7 +102,7 @@ def test_a_preemption_under_torchrun_is_told_by_rank_0s_note(tmp_path):
     proc = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "1",
                            "w.py"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                           env=local_environment())
-    job = job_command.build("torchrun", NODES, "/w", "R", [])
+    job = job_command.build("torchrun", NODES, "/w", "R", ["python", "w.py"])
     assert proc.returncode == 1
     assert job.exit_code(proc.returncode, proc.stdout + proc.stderr, note=PREEMPTED) == 75
     assert job.exit_code(proc.returncode, proc.stdout + proc.stderr) == 1

@@ -1,7 +1,8 @@
-"""Recovery decisions that need no cluster: the global batch kept on fewer workers,
-going on with the survivors when no replacement can be had, which exits and which lost
-nodes make a restart. (The whole recovery, with
-a node really taken away, is in tests/test_launch_local.py.)"""
+"""Recovery decisions that need no cluster: the command pinned at the first start and
+the survivors going on only at a node count it can run on, when no replacement can be
+had; a node announcing a spot notice lost at once; which exits and which lost nodes make
+a restart. (The whole recovery, with a node really taken away, is in
+tests/test_launch_local.py; the policy for every exit code in tests/test_exits.py.)"""
 
 from __future__ import annotations
 
@@ -16,31 +17,12 @@ from omegaconf import OmegaConf
 from spotring.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PEER_LOST, EXIT_PREEMPTED, PREEMPTED
 from spotring.launch.cost import after_run
 from spotring.launch.provider import NoCapacity, Node, Provider
-from spotring.launch.recover import _replace, _restart_args, supervise
+from spotring.launch.recover import _replace, supervise
 from spotring.launch.rundir import RunDir
 from spotring.launch.ssh import RemoteError
 
-
-@pytest.mark.parametrize("before, workers, now, after", [
-    ((64, 1), 2, 2, (64, 1)),  # the same workers: nothing changes
-    ((32, 1), 2, 1, (32, 2)),  # half of them: twice the accumulation
-    ((32, 1), 8, 4, (32, 2)),
-    ((32, 1), 8, 5, None),  # 256 over 5 workers: no even split
-    ((32, 2), 2, 4, (32, 1)),  # more workers again: less accumulation
-    ((48, 1), 4, 3, (32, 2)),  # 192 = 3 x 64 does not fit; 3 x 32 x 2 does
-])
-def test_a_restart_resumes_and_keeps_the_global_batch_with_the_fewest_accumulation_steps(
-        before, workers, now, after):
-    args = ["train.max_steps=100", "resume=never", "train.batch_size=32", "model=lenet"]
-    if after is None:
-        with pytest.raises(RuntimeError, match="cannot continue on 5 workers with the same maths: "
-                           "a global batch of 256 samples cannot be split over 5 workers.*"
-                           "the nearest to 5 are 4 and 8.*higher cluster.min_nodes"):
-            _restart_args(args, before, workers, now)
-        return
-    assert _restart_args(args, before, workers, now) == [
-        "train.max_steps=100", "model=lenet", "resume=auto", f"train.batch_size={after[0]}",
-        f"train.accumulation={after[1]}"]
+# The trainer, as `spotring launch ... -- model=lenet` makes its command.
+TRAINER = ["spotring", "train", "model=lenet", "train.batch_size=32"]
 
 
 def node(i: int) -> Node:
@@ -61,20 +43,44 @@ class NoSpotLeft(Provider):
     plan = check = create = describe = destroy = None
 
 
-def test_without_replacements_the_survivors_go_on_if_they_are_enough(tmp_path, monkeypatch):
+def four_nodes(tmp_path, monkeypatch, command: list[str], min_nodes: int):
     run = RunDir(tmp_path / "run")
     run.path.mkdir()
-    run.save_nodes([node(0), node(1), node(2)])
+    run.save_nodes([node(i) for i in range(4)])
     admitted = []
     monkeypatch.setattr("spotring.launch.recover.admit", lambda cfg, run, nodes, new:
                         admitted.append(([n.id for n in nodes], new)))
-    cfg = OmegaConf.create({"cluster": {"min_nodes": 2}})
-    assert [n.id for n in _replace(cfg, run, NoSpotLeft(), [node(1)])] == ["n0", "n2"]
-    assert admitted == [(["n0", "n2"], [])]  # hostfiles rewritten for the survivors
+    cfg = OmegaConf.create({"cluster": {"min_nodes": min_nodes}, "job": {"command": command}})
+    return run, cfg, admitted
 
-    cfg.cluster.min_nodes = 3
-    with pytest.raises(NoCapacity, match="2 left is below cluster.min_nodes=3"):
+
+def test_without_replacements_the_survivors_go_on_if_they_are_enough(tmp_path, monkeypatch):
+    run, cfg, admitted = four_nodes(tmp_path, monkeypatch, ["python", "train.py"], 3)
+    assert [n.id for n in _replace(cfg, run, NoSpotLeft(), [node(1)])] == ["n0", "n2", "n3"]
+    assert admitted == [(["n0", "n2", "n3"], [])]  # hostfiles rewritten for the survivors
+    # Billed until found lost, once: the lost node leaves the run's nodes for the retired.
+    assert [n["id"] for n in run.state()["retired"]] == ["n1"]
+
+    cfg.cluster.min_nodes = 4
+    with pytest.raises(NoCapacity, match="3 left is below cluster.min_nodes=4"):
         _replace(cfg, run, NoSpotLeft(), [node(1)])
+
+
+@pytest.mark.parametrize("global_batch, goes_on", [(384, True), (256, False)])
+def test_the_survivors_go_on_only_where_the_job_can_split_its_global_batch(
+        tmp_path, monkeypatch, global_batch, goes_on):
+    """384 over the 3 left is 128 each; 256 does not split over 3: the trainer's own check
+    (spotring.cli.check_command) says so, and the run stops rather than start a job that
+    would refuse."""
+    command = [*TRAINER, f"train.global_batch={global_batch}"]
+    run, cfg, admitted = four_nodes(tmp_path, monkeypatch, command, 2)
+    if goes_on:
+        assert len(_replace(cfg, run, NoSpotLeft(), [node(1)])) == 3
+        return
+    with pytest.raises(NoCapacity, match="no replacement for 1 lost node.*a global batch of "
+                                         "256 samples cannot be split over 3 workers"):
+        _replace(cfg, run, NoSpotLeft(), [node(1)])
+    assert admitted == [] and "retired" not in run.state()
 
 
 class Fleet(Provider):
@@ -98,16 +104,20 @@ class Fleet(Provider):
     plan = check = create = destroy = None
 
 
-def supervised(tmp_path, monkeypatch, tries, listed, max_restarts=1, max_preemptions=1):
+def supervised(tmp_path, monkeypatch, tries, listed, max_restarts=1, max_preemptions=1,
+               command=("python", "train.py"), noticed=(), notice_wait_s=3600.0):
     """supervise() over jobs that end as ``tries`` say in turn: (exit code, the step its
     last train record names), or an exception to raise. A job that exits 75 leaves rank
-    0's note at that step, as the trainer does."""
+    0's note at that step, as the trainer does. ``noticed``: the nodes whose metadata
+    service announces a spot notice (asked over ssh on real nodes: launch/notice.py)."""
     run = RunDir(tmp_path / "run")
     run.path.mkdir(parents=True)
     run.save_nodes([node(0), node(1)])
     tries = iter(tries)
+    commands = []
 
     def job(cfg, run, provider):
+        commands.append(list(cfg.job.command))
         end = next(tries)
         if isinstance(end, Exception):
             raise end
@@ -123,23 +133,51 @@ def supervised(tmp_path, monkeypatch, tries, listed, max_restarts=1, max_preempt
     monkeypatch.setattr("spotring.launch.recover.run_job", job)
     monkeypatch.setattr("spotring.launch.recover.admit", lambda cfg, run, nodes, new:
                         run.save_nodes(nodes))
-    cfg = OmegaConf.create({"job": {"args": ["train.batch_size=32"], "command": [],
-                                     "checkpoint_uri": None}, "cluster": {
-        "min_nodes": 2, "max_restarts": max_restarts, "max_preemptions": max_preemptions,
-        "notice_wait_s": 3600, "notice_poll_s": 0.01}})
+    monkeypatch.setattr("spotring.launch.notice.noticed", lambda ssh, nodes, workdir: {
+        n.id: '{"action": "terminate"}' for n in nodes if n.id in noticed})
+    cfg = OmegaConf.create({"job": {"command": list(command), "checkpoint_uri": None},
+                            "cluster": {"min_nodes": 2, "max_restarts": max_restarts,
+                                        "max_preemptions": max_preemptions, "ssh_user": "root",
+                                        "notice_wait_s": notice_wait_s,
+                                        "notice_poll_s": 0.01}})
     provider = Fleet(listed)
-    return supervise(cfg, run, provider), provider, run, cfg
+    code = supervise(cfg, run, provider)
+    return code, provider, run, commands
 
 
 def test_a_node_no_longer_listed_is_lost_and_replaced(tmp_path, monkeypatch):
-    code, provider, run, cfg = supervised(tmp_path, monkeypatch,
-                                          [(EXIT_PEER_LOST, 30), (0, 100)], listed=[node(0)])
+    code, provider, run, _ = supervised(tmp_path, monkeypatch,
+                                        [(EXIT_PEER_LOST, 30), (0, 100)], listed=[node(0)])
     assert code == 0
     assert provider.replaced == [["n1"]]
     assert [n.id for n in run.nodes()] == ["n0", "n9"]
-    assert "resume=auto" in cfg.job.args
     assert [(t["exit"], t["step"], t["restart"], t["lost"]) for t in run.tries()] == [
         (EXIT_PEER_LOST, 30, "failure", ["n1"]), (0, 100, None, [])]
+
+
+def test_the_command_is_pinned_at_the_first_start_and_every_restart_runs_it(
+        tmp_path, monkeypatch, caplog):
+    """The trainer's global batch on the first start's 2 workers (32 x 2) is written into
+    its command once; the restart on other nodes runs the same
+    words, and the trainer splits that batch over whatever workers it has."""
+    caplog.set_level(logging.INFO, "launch")
+    code, _, _, commands = supervised(tmp_path, monkeypatch, [(EXIT_PREEMPTED, 30), (0, 100)],
+                                      listed=[node(0)], command=TRAINER)
+    assert code == 0
+    assert commands[0] == commands[1] == [*TRAINER, "train.global_batch=64"]
+    assert "recover: the job runs on 2 nodes, 2 workers; with no replacement to be had it " \
+           "can go on with no fewer nodes (cluster.min_nodes=2)" in caplog.text
+
+
+def test_a_node_that_announces_a_notice_is_lost_at_once(tmp_path, monkeypatch, caplog):
+    """Still `running`, its notice up (EC2 has not taken it, or stops it instead): doomed.
+    notice_wait_s=3600: waiting for it to leave `running` would hang this test."""
+    caplog.set_level(logging.INFO, "launch")
+    code, provider, run, _ = supervised(tmp_path, monkeypatch, [(EXIT_PREEMPTED, 30), (0, 100)],
+                                        listed=[node(0), node(1)], noticed={"n1"})
+    assert code == 0 and provider.replaced == [["n1"]]
+    assert "recover: node n1 announces a spot interruption notice" in caplog.text
+    assert [t["lost"] for t in run.tries()] == [["n1"], []]
 
 
 def test_without_preemptions_left_the_code_comes_back_at_once(tmp_path, monkeypatch, caplog):
@@ -193,8 +231,8 @@ def test_a_crash_is_retried_but_not_when_it_repeats_at_the_same_step(tmp_path, m
     assert "recover: failure 1 of 5 (cluster.max_restarts): exit 1 at step 40, lost no node " \
            "(every node still runs)" in caplog.text
     assert "recover: exit 1 at step 40: the same exit at the same step as the try before, " \
-           "which looks like a bug in the job, not the cloud; not spending " \
-           "cluster.max_restarts on it (1 of 5 spent); stopping" in caplog.text
+           "which looks like a bug in the job, not the machines: another try would fail " \
+           "the same way; stopping" in caplog.text
     assert [t["restart"] for t in run.tries()] == ["failure", None]
     # At another step, or with another exit, it is a failure like any other.
     code, _, _, _ = supervised(tmp_path / "other", monkeypatch, [(1, 40), (1, 50), (0, 100)],

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from spotring.exits import ConfigError
-from spotring.trainer.config import validate
 from spotring.trainer.models import build_model, l1_penalty
+from spotring.trainer.validation import validate
 from tests.conftest import compose_config, run_trainer
 
 

@@ -30,16 +30,16 @@ import sys
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
-from spotring import engines, runtime
+from spotring import DDPOptions, HorovodOptions, Job, engines, init, runtime
 from spotring.checkpoint import Checkpoints, find_resume
 from spotring.exits import ConfigError
-from spotring.job import Job
 from spotring.trainer import datasets
-from spotring.trainer.config import validate
 from spotring.trainer.loop import Trainer
 from spotring.trainer.models import build_model
+from spotring.trainer.validation import validate
 from tests.conftest import PARITY, REPO, Run, compose_config, run_trainer
 from tests.test_cli import spotring
 from tests.test_horovod import distance_ratios
@@ -185,7 +185,7 @@ def scaler_steps(engine: engines.Engine) -> dict[str, float]:
 def horovod_scaler_steps() -> None:
     """scaler_steps through Horovod's DistributedOptimizer, one rank; prints JSON."""
     launch = runtime.detect()
-    engine = engines.create(compose_config("engine=horovod").engine, launch, torch.device("cpu"))
+    engine = engines.create(HorovodOptions(), launch, torch.device("cpu"))
     print(json.dumps(scaler_steps(engine)))
     engine.shutdown()
 
@@ -198,7 +198,7 @@ def check_scaler_steps(result: dict) -> None:
 
 def test_fp16_scaler_unscales_and_skips_overflowing_steps_under_ddp():
     launch = runtime.detect({})
-    check_scaler_steps(scaler_steps(engines.create(compose_config().engine, launch,
+    check_scaler_steps(scaler_steps(engines.create(DDPOptions(), launch,
                                                    torch.device("cpu"))))
 
 
@@ -227,9 +227,10 @@ def test_fp16_scaler_state_is_checkpointed_and_restored(tmp_path):
     dataset = datasets.load(cfg.dataset, cfg.data, cfg.train.seed)
     checkpoints = Checkpoints(cfg.checkpoint.dir, cfg.checkpoint.keep)
 
-    def job() -> Job:
-        return Job(runtime.detect({}), cfg.engine, torch.device("cpu"), tmp_path, checkpoints,
-                   cfg.preemption, cfg.train.seed)
+    def job() -> Job:  # as the trainer starts one (trainer/job.py)
+        return init(engine=OmegaConf.to_object(cfg.engine), device="cpu", run_dir=tmp_path,
+                    checkpoint=OmegaConf.to_object(cfg.checkpoint),
+                    preemption=OmegaConf.to_object(cfg.preemption), seed=cfg.train.seed)
 
     first = job()
     trainer = Trainer(cfg, first, dataset, build_model(cfg.model, dataset.shape, 10))
@@ -272,7 +273,7 @@ def test_the_default_run_takes_auto_precision_and_channels_last_and_the_options_
      "train.precision=bf16 with train.dtype=float64: autocast would compute in less than the "
      "float64 the run asks for; valid with float64: fp32"),
     (["train.compile=true", "engine.bucket_mb=0.5"],
-     "engine.bucket_mb=0.5 with train.compile=true"),
+     "engine.bucket_mb=0.5 with torch.compile: DDP's first bucket holds 1 MB"),
 ])
 def test_combinations_the_options_cannot_run_are_refused(overrides, expected):
     assert expected in problems(*overrides)

@@ -19,6 +19,7 @@ from typing import TypeVar
 import pytest
 import torch
 
+from spotring.contract import RUN_DIR
 from spotring.exits import EXIT_CONFIG
 from spotring.launch import slurm as sbatch
 from spotring.launch.commands import local_environment
@@ -169,16 +170,17 @@ def submit(cluster, tmp_path):
 
 
 def ranks(run_dir: Path) -> dict[int, int]:
-    """{SLURM_PROCID: pid} of the trainer processes of the run in ``run_dir``."""
+    """{SLURM_PROCID: pid} of the job's processes (srun's tasks) of the run in ``run_dir``:
+    those whose environment names it (the contract's SPOTRING_RUN_DIR)."""
     found = {}
     for proc in Path("/proc").iterdir():
         try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
-            if b"spotring.trainer" in argv and f"hydra.run.dir={run_dir}".encode() in argv:
-                env = dict(v.split(b"=", 1) for v in (proc / "environ").read_bytes().split(b"\0")
-                           if b"=" in v)
+            raw = (proc / "environ").read_bytes() if proc.name.isdigit() else b""
+            env = dict(v.split(b"=", 1) for v in raw.split(b"\0") if b"=" in v)
+            if env.get(RUN_DIR.encode()) == str(run_dir).encode() and b"SLURM_PROCID" in env \
+                    and (proc / "comm").read_text().strip() not in ("srun", "bash"):
                 found[int(env[b"SLURM_PROCID"])] = int(proc.name)
-        except (OSError, KeyError):  # ended meanwhile, or not a task of srun
+        except OSError:  # ended meanwhile
             continue
     return found
 
@@ -296,7 +298,8 @@ def test_the_dry_run_asks_for_cpus_and_memory_and_states_the_most_node_time(
     # Per task 4 CPUs, for srun too (22.05 on, it does not take them from sbatch), and
     # 16G: 32G for a node's 2 tasks. To the tasks (no B:): the batch shell would end srun.
     for line in ("#SBATCH --cpus-per-task=4", "#SBATCH --mem=32G", "#SBATCH --signal=USR1@300",
-                 "export SPOTRING_RUN_ID=\"$SLURM_JOB_ID\" SPOTRING_RUN_DIR="
+                 f'export PATH={sys.executable.rsplit("/", 1)[0]}:"$PATH" '
+                 "SPOTRING_RUN_ID=\"$SLURM_JOB_ID\" SPOTRING_RUN_DIR="
                  f"{tmp_path}/runs/slurm/spotring SPOTRING_RESTART=\"${{SLURM_RESTART_COUNT:-0}}\" "
                  "SPOTRING_CHECKPOINT_URI='s3://b/p x'",
                  "srun --ntasks-per-node=2 --cpus-per-task=4 --kill-on-bad-exit=0 "
@@ -311,11 +314,14 @@ def test_the_dry_run_asks_for_cpus_and_memory_and_states_the_most_node_time(
                                capture_output=True, text=True, check=True,
                                env={"PATH": os.environ["PATH"]})  # not make's root consent
         assert shell.stdout == f"{allowed}\n", (uid, shell)
-    # The trainer on a node range: CPUs per node for every task; the time limit requeued.
+    # The trainer on a node range: CPUs per node for every task; the time limit requeued;
+    # the global batch on both nodes pinned (64 x 2), which it keeps on one.
     assert sbatch.main(["nodes=2", "min_nodes=1", "cpus_per_task=2", "requeue_at_time_limit=true",
-                        "--dry-run"]) == 0
+                        "checkpoint_uri=s3://b/p", "--dry-run", "--", "train.batch_size=64"]) == 0
     out, err = capsys.readouterr()
     assert "\n#SBATCH --mincpus=2\n#SBATCH --cpus-per-task=2\n#SBATCH --mem=16G\n" in out, out
+    assert "--kill-on-bad-exit=0 spotring train train.batch_size=64 train.global_batch=128\n" \
+        in out and "SPOTRING_CHECKPOINT_URI=s3://b/p" in out, out
     assert ("x the partition's time limit x 2 nodes; a stop at the time limit is requeued "
             "(requeue_at_time_limit=true)") in err and "squeue" not in out, (out, err)
 
@@ -325,13 +331,16 @@ def test_the_dry_run_asks_for_cpus_and_memory_and_states_the_most_node_time(
     (["nodes=1", "gpus_per_node=2", "tasks_per_node=4"], [], ["one task per GPU"]),
     (["nodes=1", "partition=nosuch", *SMALL], [], ["nosuch"]),
     (["nodes=1", "signal=HUP"], [], ["signal=HUP: unknown; valid: TERM, USR1"]),
-    (["nodes=1", "time=12h", "mem_per_task=16GB", "cpus_per_task=0", "checkpoint_uri=s3://b"],
+    (["nodes=1", "time=12h", "mem_per_task=16GB", "cpus_per_task=0"],
      [], ["time=12h: valid: MM, MM:SS, HH:MM:SS, D-HH", "mem_per_task=16GB: valid",
-          "cpus_per_task=0: must be 1 or more", "checkpoint_uri=s3://b: for a command"]),
+          "cpus_per_task=0: must be 1 or more"]),
     (["nodes=1"], ["optim.lr=abc"], ["optim.lr"]),
+    # It may come back on 3 of the 4 nodes, which cannot share 128 samples.
+    (["nodes=4", "min_nodes=3"], ["train.global_batch=128"],
+     ["a global batch of 128 samples cannot be split over 3 workers"]),
     (["nodes=1"], ["python", "missing.py"], ["missing.py: no such file"]),
 ], ids=["no-sbatch", "tasks-per-gpu", "partition", "signal", "settings", "trainer-override",
-        "missing-script"])
+        "node-range", "missing-script"])
 def test_bad_input_exits_2_and_submits_nothing(cluster, tmp_path, monkeypatch, capsys,
                                                ours, trainer, says):
     monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])

@@ -139,14 +139,23 @@ def test_a_two_objective_study_runs_two_trials_at_a_time_and_reports_its_pareto_
     for png in ("optimization_history.png", "pareto_front.png"):
         data = (sweep_dir / png).read_bytes()
         assert data.startswith(PNG) and len(data) > 5000
-    assert (sweep_dir / "best_config.yaml").exists()
+    # The best trial's command, which trains it again: the trainer with its values.
+    best = study.best_trials[0]
+    again = ["spotring", "train", *SHORT, "train.epochs=0.05", "telemetry.log_every=5",
+             *(f"{k}={v}" for k, v in best.user_attrs["params"].items())]
+    assert f"```sh\n{' '.join(again)}\n```" in report.split("## Trials")[0]
 
 
 def trial_pids(trial_dir: Path) -> list[int]:
-    """The processes of a running trial: those whose command line names its run dir."""
-    out = subprocess.run(["pgrep", "-f", f"hydra.run.dir={trial_dir}"], capture_output=True,
-                         text=True).stdout
-    return [int(pid) for pid in out.split()]
+    """The processes of a running trial: those whose environment names its run dir."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and environment(int(proc.name)).get(RUN_DIR) == str(trial_dir):
+                found.append(int(proc.name))
+        except OSError:  # ended meanwhile
+            continue
+    return found
 
 
 def wait_for(condition, timeout: float = 120.0, what: str = ""):
@@ -314,7 +323,8 @@ def test_with_a_checkpoint_uri_the_study_survives_the_loss_of_its_machine(tmp_pa
     again."""
     sweep_dir, uri = tmp_path / "sweep", "s3://spotring/team"
     overrides = ("sweep=custom", "sweep.name=spot", "sweep.trials=2", "sweep.parallel=2")
-    trainer = ("optim.lr=choice(0.05,0.1)", "train.epochs=0.02", f"checkpoint.uri={uri}")
+    overrides = (*overrides, f"sweep.checkpoint_uri={uri}")
+    trainer = ("optim.lr=choice(0.05,0.1)", "train.epochs=0.02")
     run_sweep(sweep_dir, *overrides, trainer=trainer, env=s3)
     keys = [o["Key"] for o in boto3.client("s3").list_objects_v2(
         Bucket="spotring", Prefix="team/sweeps/spot/")["Contents"]]

@@ -106,10 +106,9 @@ def test_one_objective(tmp_path):
         row(4, "complete", summary(0.9875, 0.045, 10.0, 431080, 1.64441), [0.9875], wall=30),
         row(5, "running", wall=9.6),
     ]
-    config = tmp_path / "best_config.yaml"
-    config.write_text("optim:\n  lr: 0.0812\n")
+    again = ["spotring", "train", "optim.lr=0.0812", "optim.weight_decay=3e-04"]
     path = report.write(tmp_path, "mnist_lr_wd", {"test_accuracy": "maximize"}, rows, [2],
-                        config, "spotring sweep sweep=mnist_lr_wd")
+                        "spotring sweep sweep=mnist_lr_wd", again)
     assert path == tmp_path / "sweep_report.md"
     md = path.read_text()
     assert md.startswith("# Sweep: mnist_lr_wd\n")
@@ -119,8 +118,8 @@ def test_one_objective(tmp_path):
     best = md.split("## Best trial")[1].split("##")[0]
     assert "Trial 2 ([trials/002](trials/002)): `optim.lr=0.0812`, " \
            "`optim.weight_decay=3e-04`; test accuracy 99.21%." in best
-    assert "[best_config.yaml](best_config.yaml)" in best
-    assert f"spotring train --config-dir {tmp_path} --config-name best_config" in best
+    assert "to train it again from the project directory:\n\n```sh\nspotring train " \
+           "optim.lr=0.0812 optim.weight_decay=3e-04\n```" in best
 
     table = trials_table(md)
     assert [number(r["trial"]) for r in table] == [2, 4, 0, 1, 3, 5]
@@ -141,7 +140,7 @@ def test_one_objective(tmp_path):
     assert "![optimization history](optimization_history.png)" in md
     # Nothing else: no Pareto plot for one objective, no temporary file left behind.
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "best_config.yaml", "optimization_history.png", "sweep_report.md"]
+        "optimization_history.png", "sweep_report.md"]
 
 
 def test_two_objectives(tmp_path):
@@ -154,8 +153,8 @@ def test_two_objectives(tmp_path):
     front = [list(points)[i] for i in pareto_front([list(p) for p in points.values()],
                                                    list(objectives.values()))]
     assert front == [0, 1, 3, 4]
-    md = report.write(tmp_path, "memory", objectives, rows, front, tmp_path / "best.yaml",
-                      "spotring sweep sweep=memory").read_text()
+    md = report.write(tmp_path, "memory", objectives, rows, front, "spotring sweep sweep=memory",
+                      ["python", "train.py", "--lr", "0.01 0.02"]).read_text()
     assert "Objectives: test accuracy (maximize), parameter memory (minimize)." in md
     assert ", $0.012 at the sweep's price." in md
     best = md.split("## Pareto front (4 trials)")[1].split("## Trials")[0]
@@ -163,8 +162,8 @@ def test_two_objectives(tmp_path):
         ["0", "1", "3", "4"]
     assert "- Trial 1 ([trials/001](trials/001)): `optim.lr=0.01`; test accuracy 98.50%; " \
            "parameter memory 0.41 MiB." in best
-    assert "(trial 0, the first of the front): [best.yaml](best.yaml)" in best
-    assert "--config-name best\n" in best
+    assert "(trial 0, the first of the front), to train it again from the project " \
+           "directory:\n\n```sh\npython train.py --lr '0.01 0.02'\n```" in best
 
     table = trials_table(md)
     # Ties on the first objective by trial number; the failed trial last.
@@ -184,28 +183,28 @@ def test_extra_objective_gets_a_column_and_maximized_x(tmp_path):
     objectives = {"images_per_second": "maximize", "test_accuracy": "maximize"}
     rows = [row(n, "complete", summary(a, 0.05, 20.0, 1000, 0.1), [ips, a])
             for n, (ips, a) in enumerate([(900.0, 0.98), (1200.0, 0.97), (800.0, 0.99)])]
-    md = report.write(tmp_path, "fast", objectives, rows, [0, 1, 2], None, "spotring sweep")
+    md = report.write(tmp_path, "fast", objectives, rows, [0, 1, 2], "spotring sweep")
     table = trials_table(md.read_text())
     assert [r["img/s"] for r in table] == ["1200", "900", "800"]
-    assert "Its config" not in md.read_text()  # no best_config given
+    assert "Its command" not in md.read_text()  # none given
     check_png(tmp_path / "pareto_front.png")
 
 
 def test_nothing_complete_and_no_matplotlib(tmp_path, monkeypatch):
-    import spotring.benchmarks
+    import spotring
 
-    monkeypatch.delattr(spotring.benchmarks, "plots", raising=False)
-    # As if matplotlib were absent.
-    monkeypatch.setitem(sys.modules, "spotring.benchmarks.plots", None)
+    monkeypatch.delattr(spotring, "plotting", raising=False)
+    # As if matplotlib were absent: importing spotring.plotting raises ImportError.
+    monkeypatch.setitem(sys.modules, "spotring.plotting", None)
     rows = [row(0, "running"), row(1, "failed", note="exit 1 after 2 retries")]
-    md = report.write(tmp_path, "s", {"test_accuracy": "maximize"}, rows, [], None,
+    md = report.write(tmp_path, "s", {"test_accuracy": "maximize"}, rows, [],
                       "spotring sweep").read_text()
     assert "No trial has completed yet." in md
     assert [number(r["trial"]) for r in trials_table(md)] == [0, 1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep_report.md"]
 
     rows.append(row(2, "complete", summary(0.9, 0.1, 1.0, 10, 0.1), [0.9]))
-    md = report.write(tmp_path, "s", {"test_accuracy": "maximize"}, rows, [2], None,
+    md = report.write(tmp_path, "s", {"test_accuracy": "maximize"}, rows, [2],
                       "spotring sweep").read_text()
     assert "No plots: they need matplotlib" in md
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep_report.md"]
@@ -214,13 +213,13 @@ def test_nothing_complete_and_no_matplotlib(tmp_path, monkeypatch):
 def test_a_scripts_trials_show_what_they_reported_and_the_best_command(tmp_path):
     """A sweep of a user's command: the summary columns are those its summary.json has,
     an objective of its own gets a column, and the best trial's command line is how to
-    train it again (there is no trainer config)."""
+    train it again."""
     objectives = {"val_loss": "minimize"}
     rows = [row(n, "complete", {"test_loss": loss, "train_seconds": 1.25, "val_loss": val},
                 [val], restarts=n, lr=lr)
             for n, (lr, loss, val) in enumerate([("0.05", 0.5, 0.25), ("0.1", 0.4, 0.125)])]
     rows.append(row(2, "failed", note="summary.json has no number for val_loss", lr="0.2"))
-    md = report.write(tmp_path, "script", objectives, rows, [1], None, "spotring sweep",
+    md = report.write(tmp_path, "script", objectives, rows, [1], "spotring sweep",
                       ["python", "train.py", "--lr", "0.1", "--note", "a b"]).read_text()
     table = trials_table(md)
     assert list(table[0]) == ["trial", "state", "lr", "test loss", "training time (s)",

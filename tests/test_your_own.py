@@ -12,10 +12,10 @@ import torch
 
 from spotring import runtime
 from spotring.exits import ConfigError
-from spotring.trainer.config import validate
 from spotring.trainer.data import Batches, LoaderBatches
 from spotring.trainer.datasets import Dataset, MapDataset, Split
 from spotring.trainer.models import build_model
+from spotring.trainer.validation import validate
 from tests.conftest import assert_close, compose_config, run_trainer
 
 # Written into tmp_path and put on PYTHONPATH: what a user's package would hold.

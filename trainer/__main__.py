@@ -19,6 +19,8 @@ Several machines (every host has this repository and its .venv at the same path)
 
 Resume: run the same command with the same run directory (resume=auto is the
 default), e.g. `hydra.run.dir=runs/mnist`, or give `resume=PATH/ckpt-000000500.pt`.
+Started by spotring's launchers, the run directory is $SPOTRING_RUN_DIR and
+checkpoint.uri defaults to $SPOTRING_CHECKPOINT_URI, as for any script (spotring.init).
 Every rank reads this; only rank 0 writes logs, TensorBoard files and checkpoints.
 """
 
@@ -35,7 +37,8 @@ from omegaconf import DictConfig
 
 from spotring import runtime
 from spotring.exits import EXIT_CONFIG, ConfigError
-from spotring.trainer import config, job
+from spotring.global_batch import split_global_batch
+from spotring.trainer import config, job, validation
 
 
 @hydra.main(version_base="1.3", config_path="pkg://spotring.conf", config_name="config")
@@ -62,7 +65,7 @@ def check_overrides(argv: list[str]) -> None:
     def check(overrides: list[str]) -> None:
         cfg = config.compose(overrides)
         if not args.cfg:
-            config.validate(cfg)
+            validation.validate(cfg)
 
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
     sweeps = [o for o in parsed if o.is_sweep_override()]
@@ -86,7 +89,11 @@ def check(args: list[str], world_sizes: list[int]) -> None:
     ConfigError naming the problem."""
     check_overrides(args)
     if world_sizes:
-        config.check_world_sizes(config.compose(args), world_sizes)
+        # That of the largest, where train.global_batch is not given.
+        cfg = config.compose(args)
+        batch = config.global_batch(cfg, max(world_sizes))
+        for world_size in world_sizes:
+            split_global_batch(batch, world_size, cfg.train.batch_size)
 
 
 def pin(args: list[str], world_size: int) -> list[str]:

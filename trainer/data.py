@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import torch.utils.data
 
 from spotring.loader import DataLoader
-from spotring.sampler import _generator, micro_batches, steps_in_epoch
+from spotring.sampler import micro_batches, seeded_generator, steps_in_epoch
 from spotring.trainer.datasets import Dataset, MapDataset, Split
 
 PAD = 4  # pixels of zero padding for the random crop
@@ -83,7 +83,7 @@ class Batches:
         for end, indices in steps:
             flips = crops = None
             if self.augment:
-                g = _generator(self.seed, epoch, end - self.global_batch)
+                g = seeded_generator(self.seed, epoch, end - self.global_batch)
                 crops = torch.randint(0, 2 * PAD + 1, (self.global_batch, 2), generator=g)
                 flips = torch.rand(self.global_batch, generator=g) < 0.5
             micro = []
@@ -189,7 +189,7 @@ class SeededItems(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int):
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_generator(self.seed, self.epoch, index).initial_seed())
+            torch.manual_seed(seeded_generator(self.seed, self.epoch, index).initial_seed())
             return self.dataset[index]
 
 

@@ -64,7 +64,7 @@ from omegaconf import DictConfig
 
 from spotring.exits import ConfigError
 from spotring.stores import write_atomic
-from spotring.trainer.config import describe, instantiate
+from spotring.trainer.targets import describe, instantiate
 
 log = logging.getLogger(__name__)
 

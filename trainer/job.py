@@ -1,15 +1,20 @@
 """One training job, start to end, as every rank runs it.
 
-    1. check the config, load the data, build the model,  (no network yet: bad input,
-       pick the device                                     a user's _target_ too, fails
-    2. rank 0: find the checkpoint to resume from          here, on every rank, with
-                                                           one clear paragraph)
-    3. join the process group: a spotring Job (the API a user's script uses)
+    1. check the config, load the data, build the model   (no network yet: bad input,
+    2. rank 0: find the checkpoint to resume from          a user's _target_ too, fails
+    3. spotring.init: the device, the engine checked,      here, on every rank, with
+       the process group joined (the API a user's          one clear paragraph)
+       script uses, with the config's option objects)
     4. rank 0's checkpoint to every rank; train; evaluate
     5. rank 0: summary.json and the closing lines
 
+The run reads the launch contract as any script does (spotring/contract.py): its run
+directory is Hydra's, which conf/config.yaml takes from $SPOTRING_RUN_DIR where a
+launcher set it, and checkpoint.uri defaults to $SPOTRING_CHECKPOINT_URI
+(spotring.CheckpointOptions).
+
 Exit codes: spotring/exits.py (0 done, 1 failed, 2 bad input, 65 diverged, 69 a rank
-lost, 75 preempted); the Job makes them.
+lost, 75 preempted); spotring.init and the Job make them.
 """
 
 from __future__ import annotations
@@ -19,32 +24,37 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from spotring import engines, exits, runtime
-from spotring.checkpoint import Checkpoint, Checkpoints, find_resume
+import spotring
+from spotring import exits, runtime
+from spotring.checkpoint import Checkpoint, find_resume
 from spotring.exits import EXIT_CONFIG, EXIT_OK, ConfigError
 from spotring.global_batch import split_global_batch
-from spotring.job import Job
 from spotring.trainer import datasets
-from spotring.trainer.config import global_batch, validate
+from spotring.trainer.config import global_batch
 from spotring.trainer.loop import Trainer, annotations
 from spotring.trainer.models import build_model
+from spotring.trainer.validation import validate
 
 log = logging.getLogger("trainer")
+
 
 def run(cfg: DictConfig) -> int:
     launch = runtime.detect()
     try:
-        checkpoints, found, dataset, model, device = _prepare(cfg, launch)
+        found, dataset, model = _prepare(cfg, launch)
     except ConfigError as e:
         report_bad_input(e, launch)
         return EXIT_CONFIG
-    # From here the job's signal handlers turn SIGTERM and SIGUSR1 into a stop at a step
-    # boundary, and leaving the with block makes the exit code (75, 65, 69).
-    with Job(launch, cfg.engine, device, _run_dir(), checkpoints, cfg.preemption,
-             cfg.train.seed) as job:
+    # init exits 2 itself on bad input. From here the job's signal handlers turn SIGTERM
+    # and SIGUSR1 into a stop at a step boundary, and leaving the with block makes the
+    # exit code (75, 65, 69).
+    with spotring.init(engine=OmegaConf.to_object(cfg.engine), device=str(cfg.train.device),
+                       run_dir=_run_dir(), checkpoint=OmegaConf.to_object(cfg.checkpoint),
+                       preemption=OmegaConf.to_object(cfg.preemption),
+                       threads=cfg.train.threads, seed=cfg.train.seed) as job:
         results = Trainer(cfg, job, dataset, model).fit(found)
         summary = job.finish(**results, model=_model_option(cfg),
                              tensorboard=str(_run_dir() / "tensorboard"),
@@ -55,14 +65,11 @@ def run(cfg: DictConfig) -> int:
 
 
 def _prepare(cfg: DictConfig, launch: runtime.Launch
-             ) -> tuple[Checkpoints, Checkpoint | None, datasets.Dataset | datasets.MapDataset,
-                        nn.Module, Any]:
-    """Everything that can fail on bad input, done before any process group exists: the
-    data and the model too (a _target_ of the user's fails here, with exit code 2)."""
+             ) -> tuple[Checkpoint | None, datasets.Dataset | datasets.MapDataset, nn.Module]:
+    """Everything of the trainer's own that can fail on bad input, done before any
+    process group exists: the data and the model too (a _target_ of the user's fails
+    here, with exit code 2), and the checkpoint to resume from, which must match them."""
     validate(cfg)
-    device = runtime.pick_device(cfg.train.device, launch.local_rank)
-    cfg.train.precision = runtime.pick_precision(cfg.train.precision, device, cfg.train.dtype)
-    engines.check(cfg.engine, launch, device)
     runtime.set_threads(cfg.train.threads, launch.local_world_size)
     runtime.keep_freed_memory()
     dataset = datasets.load(cfg.dataset, cfg.data, cfg.train.seed)
@@ -82,15 +89,15 @@ def _prepare(cfg: DictConfig, launch: runtime.Launch
             f"global batch {batch} (train.batch_size={cfg.train.batch_size} x "
             f"{launch.world_size} workers x train.accumulation={cfg.train.accumulation}) "
             f"is larger than the {len(dataset.train)} training samples of {dataset.name}")
-    checkpoints = Checkpoints(cfg.checkpoint.dir, cfg.checkpoint.keep, cfg.checkpoint.uri)
     found = None
     if launch.rank == 0:  # only rank 0 reads checkpoints; the others get its copy
+        checkpoints = OmegaConf.to_object(cfg.checkpoint).open(_run_dir())
         if checkpoints.remote is not None:
             checkpoints.remote.check_access()
         found = find_resume(cfg.resume, checkpoints)
         if found is not None:
             found.check_matches(annotations(cfg))
-    return checkpoints, found, dataset, model, device
+    return found, dataset, model
 
 
 def _run_dir() -> Path:

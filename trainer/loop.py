@@ -228,7 +228,7 @@ class Trainer:
                  cfg.model.name, cfg.dataset.name, self.world_size, cfg.train.batch_size,
                  cfg.train.accumulation, self.global_batch, self.batches.steps_per_epoch,
                  self.schedule.base_lr, self.schedule.peak_lr,
-                 self.global_batch / cfg.optim.reference_batch, cfg.train.precision,
+                 self.global_batch / cfg.optim.reference_batch, job.precision,
                  str(cfg.train.channels_last).lower(), str(cfg.train.compile).lower())
         while pos.epoch < cfg.train.epochs and pos.step < self.total_steps:
             epoch_start = (self._timed_steps(), self.stopwatch.total)
@@ -289,7 +289,7 @@ class Trainer:
             "dataset": cfg.dataset.name,
             "model_builder": cfg.model.name,  # trainer/models.py's; job.py adds "model"
             "resumed_from": self.resumed_from,
-            "precision": str(cfg.train.precision),
+            "precision": job.precision,
             "channels_last": cfg.train.channels_last,
             "compile": cfg.train.compile,
             "compile_seconds": self.compile_seconds,

@@ -35,7 +35,8 @@ from omegaconf import DictConfig
 from torch import nn
 
 from spotring.exits import ConfigError
-from spotring.trainer.config import ModelName, describe, instantiate
+from spotring.trainer.config import ModelName
+from spotring.trainer.targets import describe, instantiate
 
 
 def _flat_size(features: nn.Module, shape: tuple[int, int, int]) -> int:

@@ -1,7 +1,7 @@
 """Engines average gradients across workers; the training loop sees only this interface.
 
-    check(cfg, launch, device)                    # bad input: ConfigError, nothing started
-    engine = create(cfg, launch, device)          # joins the process group
+    check(options, launch, device)                # bad input: ConfigError, nothing started
+    engine = create(options, launch, device)      # joins the process group
     model, optimizer = engine.prepare(model, optimizer, accumulation)
     with engine.no_sync(model): ...backward...    # micro-steps before the last
     engine.step(optimizer, scaler)                # gradients are averaged by now; the
@@ -9,9 +9,15 @@
     engine.all_reduce_sum(metrics, "metrics")     # numbers for the logs
     wait = engine.start_sum(votes, "preemption")  # the same, waited for a step later
 
-``cfg`` is anything with the engine's attributes (trainer/config.py's EngineConfig, or
-the namespace spotring.init builds): name, backend, timeout_s, sync_bn, and bucket_mb
-(ddp) or compression, op, timeline (horovod).
+Each engine is one module of this package that registers itself when imported:
+
+    register("ddp", DDPOptions, create=..., check=...)
+
+its name (spotring.init's ``engine="ddp"``, the trainer's ``engine=ddp``), its options
+class (an EngineOptions, spotring/options.py) and how to check and create it. The
+package imports its modules on the first question about engines (``registry``), so a new
+engine is a new module here (and, for the built-in trainer, its conf/engine/NAME.yaml):
+every list of valid engines comes from the registry.
 
 PyTorch DDP (engine=ddp) averages in backward hooks over bucketed gradients; Horovod
 (engine=horovod) does it in its DistributedOptimizer. Both run a ring allreduce,
@@ -20,36 +26,101 @@ NCCL on GPUs, Gloo (or MPI, for Horovod) on CPUs.
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from spotring.engines.base import Engine
 from spotring.exits import ConfigError
+from spotring.options import EngineOptions, require_one_of
 from spotring.runtime import Launch
 
-__all__ = ["Engine", "check", "create", "is_collective_failure"]
+__all__ = ["Engine", "Registered", "check", "create", "is_collective_failure", "options_for",
+           "register", "registry"]
 
 
-def check(cfg, launch: Launch, device: torch.device) -> None:
+@dataclass(frozen=True)
+class Registered:
+    """An engine as its module registered it.
+
+    options: its EngineOptions class. create(options, launch, device): the engine,
+    joined. check(options, launch, device): raises ConfigError where this launch or
+    device cannot run it, before anything starts (None: nothing beyond the options)."""
+
+    name: str
+    options: type[EngineOptions]
+    create: Callable[[Any, Launch, torch.device], Engine]
+    check: Callable[[Any, Launch, torch.device], None] | None = None
+
+
+_registered: dict[str, Registered] = {}
+_discovered = False
+
+
+def register(name: str, options: type[EngineOptions],
+             create: Callable[[Any, Launch, torch.device], Engine],
+             check: Callable[[Any, Launch, torch.device], None] | None = None) -> None:
+    """Make engine ``name`` known (an engine module calls this when imported); the
+    ``name`` of its options class defaults to it."""
+    if options().name != name:
+        raise TypeError(f"{options.__name__}.name must default to {name!r}")
+    _registered[name] = Registered(name, options, create, check)
+
+
+def registry() -> dict[str, Registered]:
+    """Every engine, by name, once each module of this package has been imported."""
+    global _discovered
+    if not _discovered:
+        _discovered = True
+        for module in pkgutil.iter_modules(__path__):
+            if not module.name.startswith("_"):
+                importlib.import_module(f"{__name__}.{module.name}")
+    return _registered
+
+
+def _engine(options: EngineOptions) -> Registered:
+    """The registered engine ``options`` are for, or ConfigError naming the valid ones."""
+    require_one_of("engine", options.name, registry())
+    found = _registered[options.name]
+    if not isinstance(options, found.options):
+        raise ConfigError(f"engine={options.name} takes {found.options.__name__}, not "
+                          f"{type(options).__name__}")
+    return found
+
+
+def options_for(engine: str | EngineOptions, **values: Any) -> EngineOptions:
+    """The options of ``engine`` (a name: its class's defaults), with ``values`` (those not
+    None) in their place. ConfigError for an engine that is not registered, an option it
+    does not have, or a value its class refuses."""
+    if isinstance(engine, str):
+        require_one_of("engine", engine, registry())
+        engine = _registered[engine].options()
+    _engine(engine)
+    options = engine.replaced(f"engine={engine.name}", **values)
+    if problems := options.problems():
+        raise ConfigError("; ".join(problems))
+    return options  # type: ignore[return-value]
+
+
+def check(options: EngineOptions, launch: Launch, device: torch.device) -> None:
     """Refuse an engine this launch cannot run, before any process group exists."""
-    if cfg.name == "horovod":
-        from spotring.engines.horovod import require_horovod
-
-        require_horovod(cfg, launch)
-    if cfg.backend == "mpi" and (launch.launcher != "mpi" or device.type == "cuda"):
+    engine = _engine(options)
+    if options.backend == "mpi" and (launch.launcher != "mpi" or device.type == "cuda"):
         raise ConfigError(
             f"engine.backend=mpi averages gradients over MPI on CPUs: start the job with "
             f"mpirun on CPU workers (here: {launch.launcher}, {device.type}); on GPUs NCCL "
             "is the fast path (engine.backend=auto)")
+    if engine.check is not None:
+        engine.check(options, launch, device)
 
 
-def create(cfg, launch: Launch, device: torch.device) -> Engine:
-    if cfg.name == "horovod":
-        from spotring.engines.horovod import HorovodEngine
-
-        return HorovodEngine(cfg, launch, device)
-    from spotring.engines.ddp import DDPEngine, SingleProcess
-
-    return (SingleProcess if launch.world_size == 1 else DDPEngine)(cfg, launch, device)
+def create(options: EngineOptions, launch: Launch, device: torch.device) -> Engine:
+    """The engine ``options`` name, joined to the job's other ranks."""
+    return _engine(options).create(options, launch, device)
 
 
 def is_collective_failure(error: BaseException) -> bool:

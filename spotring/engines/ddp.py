@@ -1,6 +1,6 @@
 """engine=ddp: PyTorch DistributedDataParallel over NCCL (GPUs) or Gloo (CPUs).
 
-DDP averages gradients in buckets of ``engine.bucket_mb`` as backward produces them,
+DDP averages gradients in buckets of ``bucket_mb`` (DDPOptions) as backward produces them,
 overlapping the ring allreduce with the rest of backward. The process group is
 joined through a TCPStore whose address comes from the launcher (runtime.py's
 table); the same store later tells survivors of a failure which ranks are gone.
@@ -25,6 +25,7 @@ import socket
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -34,9 +35,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from spotring.engines import register
 from spotring.engines.base import Engine
 from spotring.engines.mpi import MPISums, sum_hook
 from spotring.exits import exit_peer_lost
+from spotring.options import EngineOptions, positive
 from spotring.polling import poll
 from spotring.runtime import Launch, outward_address, slurm_master_addr
 
@@ -44,6 +47,36 @@ log = logging.getLogger(__name__)
 
 # How long survivors of a failure wait for each other to report in.
 _ROLL_CALL_SECONDS = 5.0
+# The first bucket DDP fills holds this much; torch.compile's DDPOptimizer refuses later
+# buckets smaller than it.
+_FIRST_BUCKET_MB = 1.0
+
+
+@dataclass
+class DDPOptions(EngineOptions):
+    """engine="ddp": PyTorch DistributedDataParallel (EngineOptions has the common fields).
+
+    bucket_mb: megabytes of gradients per bucket: each bucket's allreduce starts as soon
+        as backward has filled it, overlapping the rest of backward.
+    sync_bn: BatchNorm layers become SyncBatchNorm, whose batch statistics span all
+        workers (as one worker's over the whole global batch would).
+    """
+
+    name: str = "ddp"
+    bucket_mb: float = 25.0
+    sync_bn: bool = False
+
+    def problems(self, prefix: str = "", *, compile: bool = False) -> list[str]:
+        """EngineOptions.problems (``prefix``, ``compile``), and bucket_mb's."""
+        found = super().problems(prefix, compile=compile) + positive(prefix,
+                                                                     bucket_mb=self.bucket_mb)
+        if compile and 0 < self.bucket_mb < _FIRST_BUCKET_MB:
+            found.append(
+                f"{prefix}bucket_mb={self.bucket_mb} with torch.compile: DDP's first bucket "
+                f"holds {_FIRST_BUCKET_MB:g} MB, and torch.compile's DDPOptimizer refuses "
+                f"later buckets smaller than that; valid with compile: {_FIRST_BUCKET_MB:g} "
+                "or more")
+        return found
 
 
 def _tcp_store(addr: str, port: int, launch: Launch, is_server: bool,
@@ -127,11 +160,11 @@ def _horovodrun_rendezvous(launch: Launch, timeout: timedelta) -> dist.Store:
     return _tcp_store(*_split(address), launch, False, timeout)
 
 
-def backend_of(cfg: Any, device: torch.device) -> str:
-    """The transport engine.backend names: auto is NCCL on GPUs, Gloo on CPUs."""
-    if cfg.backend == "auto":
+def backend_of(options: EngineOptions, device: torch.device) -> str:
+    """The transport the backend option names: auto is NCCL on GPUs, Gloo on CPUs."""
+    if options.backend == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
-    return str(cfg.backend)
+    return str(options.backend)
 
 
 class SingleProcess(Engine):
@@ -142,9 +175,9 @@ class SingleProcess(Engine):
 
     name = "ddp"
 
-    def __init__(self, cfg: Any, launch: Launch, device: torch.device) -> None:
+    def __init__(self, options: DDPOptions, launch: Launch, device: torch.device) -> None:
         self.rank, self.world_size, self.local_rank = 0, 1, launch.local_rank
-        self.device, self.backend = device, backend_of(cfg, device)
+        self.device, self.backend = device, backend_of(options, device)
 
     def prepare(self, model: nn.Module, optimizer: Optimizer,
                 accumulation: int) -> tuple[nn.Module, Optimizer]:
@@ -166,12 +199,12 @@ class SingleProcess(Engine):
 class DDPEngine(Engine):
     name = "ddp"
 
-    def __init__(self, cfg: Any, launch: Launch, device: torch.device) -> None:
-        self.cfg = cfg
+    def __init__(self, options: DDPOptions, launch: Launch, device: torch.device) -> None:
+        self.options = options
         self.rank, self.world_size = launch.rank, launch.world_size
         self.local_rank, self.device = launch.local_rank, device
-        self.backend = backend_of(cfg, device)
-        timeout = timedelta(seconds=cfg.timeout_s)
+        self.backend = backend_of(options, device)
+        timeout = timedelta(seconds=options.timeout_s)
         self.store = rendezvous(launch, timeout)
         dist.init_process_group(
             "gloo" if self.backend == "mpi" else self.backend,
@@ -184,12 +217,12 @@ class DDPEngine(Engine):
         if self.backend == "mpi":
             from mpi4py import MPI
 
-            self._mpi_sums = MPISums(MPI.COMM_WORLD, cfg.timeout_s, self._mpi_timed_out)
+            self._mpi_sums = MPISums(MPI.COMM_WORLD, options.timeout_s, self._mpi_timed_out)
             self.loss_scale = 1 / self.world_size  # the hook sums; this makes it the mean
 
     def prepare(self, model: nn.Module, optimizer: Optimizer,
                 accumulation: int) -> tuple[nn.Module, Optimizer]:
-        if self.cfg.sync_bn:
+        if self.options.sync_bn:
             # The new SyncBatchNorm modules keep the same Parameter objects, so the
             # optimizer built over the old ones still steps them.
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -198,7 +231,7 @@ class DDPEngine(Engine):
         ddp = DistributedDataParallel(
             model,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            bucket_cap_mb=self.cfg.bucket_mb,
+            bucket_cap_mb=self.options.bucket_mb,
             gradient_as_bucket_view=True,
         )
         if self.backend == "mpi":
@@ -290,3 +323,10 @@ class DDPEngine(Engine):
             dist.barrier(device_ids=[self.device.index] if self.backend == "nccl" else None)
             dist.destroy_process_group()
         gc.collect()
+
+
+def _create(options: DDPOptions, launch: Launch, device: torch.device) -> Engine:
+    return (SingleProcess if launch.world_size == 1 else DDPEngine)(options, launch, device)
+
+
+register("ddp", DDPOptions, create=_create)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,16 +18,37 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from spotring.engines import register
 from spotring.engines.base import Engine
 from spotring.exits import ConfigError
+from spotring.options import EngineOptions, choices
 from spotring.runtime import Launch
+
+Compression = choices("Compression", "none fp16")
+ReduceOp = choices("ReduceOp", "average adasum")
+
+
+@dataclass
+class HorovodOptions(EngineOptions):
+    """engine="horovod": Horovod's DistributedOptimizer (EngineOptions has the common
+    fields; backend=mpi or auto under mpirun, gloo or auto under horovodrun --gloo).
+
+    compression: fp16: gradients travel as float16 (half the bytes), averaged in float32.
+    op: average; adasum: Horovod's Adasum reduction instead of the mean.
+    timeline: PATH where rank 0 writes a Horovod timeline (a Chrome trace); None: none.
+    """
+
+    name: str = "horovod"
+    compression: Compression = Compression.none
+    op: ReduceOp = ReduceOp.average
+    timeline: str | None = None
 
 BUILD_HINT = (
     "Build it against this environment's torch with `make horovod` (about 5 minutes; "
     "the wheel is cached, see docs/horovod.md), or use engine=ddp.")
 
 
-def require_horovod(cfg: Any, launch: Launch) -> None:
+def require_horovod(options: HorovodOptions, launch: Launch, device: torch.device) -> None:
     """Fail before anything starts when Horovod cannot run this job: not importable, or
     asked for its Gloo operations under mpirun. Those need its Gloo controller, which
     only horovodrun --gloo starts; without one Horovod 0.28 segfaults."""
@@ -35,7 +57,7 @@ def require_horovod(cfg: Any, launch: Launch) -> None:
     except ImportError as e:
         raise ConfigError(f"engine=horovod, but Horovod is not installed here ({e}). "
                           f"{BUILD_HINT}") from e
-    if cfg.backend == "gloo" and launch.launcher == "mpi":
+    if options.backend == "gloo" and launch.launcher == "mpi":
         raise ConfigError(
             "engine=horovod engine.backend=gloo needs Horovod's Gloo controller: start the "
             "job with horovodrun --gloo; under mpirun Horovod averages over MPI "
@@ -46,22 +68,23 @@ class HorovodEngine(Engine):
     name = "horovod"
     contiguous_only = True  # its broadcasts and allreduces refuse channels_last tensors
 
-    def __init__(self, cfg: Any, launch: Launch, device: torch.device) -> None:
+    def __init__(self, options: HorovodOptions, launch: Launch, device: torch.device) -> None:
         import horovod.torch as hvd
 
-        self.cfg, self.hvd, self.device = cfg, hvd, device
+        self.options, self.hvd, self.device = options, hvd, device
         # Horovod reads these at init: how long a peer may be silent before the job
         # fails (Gloo's timeout, and the stall check that ends a stuck collective).
-        timeout = str(int(cfg.timeout_s))
+        timeout = str(int(options.timeout_s))
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", timeout)
-        os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(int(cfg.timeout_s / 2)))
+        os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS",
+                              str(int(options.timeout_s / 2)))
         os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", timeout)
-        if cfg.backend in ("gloo", "mpi"):
-            os.environ["HOROVOD_CPU_OPERATIONS"] = cfg.backend.upper()
-        if cfg.timeline:
+        if options.backend in ("gloo", "mpi"):
+            os.environ["HOROVOD_CPU_OPERATIONS"] = str(options.backend).upper()
+        if options.timeline:
             # Only the coordinator (rank 0) writes the timeline; the path must be absolute
             # because Horovod opens it from its background thread.
-            os.environ["HOROVOD_TIMELINE"] = str(Path(cfg.timeline).resolve())
+            os.environ["HOROVOD_TIMELINE"] = str(Path(options.timeline).resolve())
         hvd.init()
         self.rank, self.world_size, self.local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
         if device.type == "cuda":
@@ -82,9 +105,9 @@ class HorovodEngine(Engine):
         optimizer = hvd.DistributedOptimizer(
             optimizer,
             named_parameters=model.named_parameters(),
-            compression=hvd.Compression.fp16 if self.cfg.compression == "fp16"
+            compression=hvd.Compression.fp16 if self.options.compression == "fp16"
             else hvd.Compression.none,
-            op=hvd.Adasum if self.cfg.op == "adasum" else hvd.Average,
+            op=hvd.Adasum if self.options.op == "adasum" else hvd.Average,
             # Accumulation: allreduce after the K-th backward pass only.
             backward_passes_per_step=accumulation,
         )
@@ -123,3 +146,6 @@ class HorovodEngine(Engine):
 
     def shutdown(self) -> None:
         self.hvd.shutdown()
+
+
+register("horovod", HorovodOptions, create=HorovodEngine, check=require_horovod)

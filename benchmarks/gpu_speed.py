@@ -1,0 +1,79 @@
+"""The GPU kit's speed checks (benchmarks/gpu_check.py runs them; benchmarks/gpu_kit.py is
+what they share):
+
+    throughput VARIANT   img/s and peak memory of one process, per precision, memory
+                         order and compilation (VARIANTS)
+    allreduce            nccl-tests' bus bandwidth against message size on every device
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from spotring.benchmarks.allreduce import bandwidth, size_label
+from spotring.benchmarks.gpu_kit import COMPOSING, Kit, Result, Skipped, rate, torchrun
+from spotring.benchmarks.runs import REPO, Setup, json_line, measure, shown, synthetic
+from spotring.benchmarks.stats import mean_ci
+
+# The throughput checks: precision, memory order, compilation.
+VARIANTS = {
+    "fp32": ("train.precision=fp32", "train.channels_last=false"),
+    "bf16": ("train.precision=bf16", "train.channels_last=false"),
+    "bf16 channels_last": ("train.precision=bf16", "train.channels_last=true"),
+    "bf16 channels_last compile": ("train.precision=bf16", "train.channels_last=true",
+                                   "train.compile=true"),
+    "fp16": ("train.precision=fp16", "train.channels_last=false"),
+}
+
+
+def refused(overrides: tuple[str, ...]) -> list[str]:
+    """What the trainer would refuse about ``overrides`` here (exit 2): its own words."""
+    from spotring.trainer.config import compose
+    from spotring.trainer.validation import gpu_path_problems
+
+    with COMPOSING:
+        return gpu_path_problems(compose(list(overrides)))
+
+
+def check_throughput(kit: Kit, result: Result, variant: str) -> None:
+    """img/s of one process over the measured intervals (warm-up and compilation left
+    out), and its peak memory, for one precision / memory order / compile variant."""
+    mode = kit.mode
+    model, *model_args = mode.model
+    workload = synthetic(model, mode.shape, *model_args, f"train.device={kit.device}",
+                         *VARIANTS[variant], train_size=mode.timing.steps * mode.batch)
+    if problems := refused(workload.overrides):
+        raise Skipped("; ".join(problems))
+    run = measure(Setup("ddp", 1, mode.batch, kit.threads), workload, mode.timing,
+                  kit.run_dir(f"throughput-{variant.replace(' ', '-')}"))
+    result.commands.append(run.command)
+    summary = json.loads((Path(REPO, run.dir) / "summary.json").read_text())
+    per_second = mean_ci(run.per_worker)
+    result.figures = {"workload": " ".join(mode.model), "shape": list(mode.shape),
+                      "batch": mode.batch, "images_per_second": per_second,
+                      "intervals": run.per_worker, "peak_memory_mb": summary["peak_memory_mb"],
+                      "precision": summary["precision"], "compile_seconds":
+                      summary["compile_seconds"], "command": run.command}
+    compiling = (f", {summary['compile_seconds']:.0f} s compiling" if summary["compile"]
+                 else "")
+    result.summary = f"{rate(per_second)}, peak {summary['peak_memory_mb']:.0f} MiB{compiling}"
+
+
+def check_allreduce(kit: Kit, result: Result) -> None:
+    """benchmarks/allreduce_ranks.py on every device: nccl-tests' bus bandwidth per size."""
+    transport = "nccl" if kit.device == "cuda" else "gloo"
+    command = torchrun(kit.devices, [transport, "--sizes", *map(str, kit.mode.allreduce_sizes),
+                                     "--budget", str(kit.mode.allreduce_budget)],
+                       module="spotring.benchmarks.allreduce_ranks")
+    result.commands.append(shown(command))
+    (stdout,) = kit.run(command)
+    said = json_line(stdout, "transport")
+    rows = [{"bytes": r["bytes"], "seconds": r["seconds"],
+             **bandwidth(r["bytes"], r["seconds"], said["ranks"])} for r in said["results"]]
+    best = max(rows, key=lambda r: r["busbw_gbps"])
+    result.figures = {"transport": transport, "ranks": said["ranks"], "sizes": rows,
+                      "command": shown(command)}
+    result.summary = (f"{transport}, {said['ranks']} ranks: busbw {best['busbw_gbps']:.2f} GB/s "
+                      f"at {size_label(best['bytes'])}, {rows[0]['seconds'] * 1e6:.0f} µs at "
+                      f"{size_label(rows[0]['bytes'])}")

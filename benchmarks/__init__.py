@@ -18,7 +18,8 @@ docs/benchmarks.md. The modules:
 
 and, run on their own (python -m spotring.benchmarks.X): notice_budget.py (a spot notice to the
 checkpoint on S3), api_cost.py (what spotring's API costs a script, the DataLoader over
-files; its loops api_cost_loops.py, its figures api_cost_report.py), gpu_check.py
+files; its loops api_cost_loops.py, its figures api_cost_report.py), fsdp_memory.py
+(bytes per worker under engine=fsdp against ddp; each rank runs fsdp_ranks.py), gpu_check.py
 (tools/gpu-check: every GPU path in one command; gpu_kit.py what its checks share,
 gpu_mnist.py, gpu_equivalence.py and gpu_speed.py the checks, gpu_report.py its report,
 gpu_bundle.py the wheels an offline GPU machine lacks, deterministic_trainer.py)

@@ -239,10 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                 "before the rebuild: git worktree add /tmp/spotring-before HEAD")
     if args.before is not None and "trainer-before-after" not in args.only:
         p.error("--before is read by the trainer-before-after section alone: add it to --only")
-    command = record.command_line(MODULE, f"python -m {MODULE}", argv)
-    folder = record.write(args.name, "api-cost", command, lambda f: measure(args, f), derive)
-    print(f"written: {render(folder, record.load(folder))}")
-    return 0
+    return record.run_alone(MODULE, argv, args.name, "api-cost", lambda f: measure(args, f),
+                            derive, render)
 
 
 if __name__ == "__main__":

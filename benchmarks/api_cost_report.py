@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from spotring.benchmarks import record
 from spotring.benchmarks.report import commands, header, spread, table
 from spotring.benchmarks.stats import mean_ci
-from spotring.stores import write_atomic
 
 
 def judge(ratio: dict, goal: float) -> str:
@@ -158,6 +158,4 @@ def render(folder: Path, results: dict) -> Path:
         parts.append(trainer_section(results["trainer_before_after"]))
     parts.append("The method: `benchmarks/api_cost.py`. `results.json` holds every run's "
                  "figures, command and the load it started under.")
-    path = folder / "report.md"
-    write_atomic(path, ("\n\n".join(parts) + "\n").encode())
-    return path
+    return record.write_report(folder, "\n\n".join(parts))

@@ -26,6 +26,11 @@ to end within 9 minutes on one H100 (not yet timed on one).
                      the same command resumes, beside an uninterrupted   weights equal bit
                      run                                                 for bit
     allreduce        bus bandwidth against message size over NCCL        every size timed
+    fsdp             GPT-2 small (124M), batch 8 x 1024 tokens, bf16,    both runs end well,
+                     one rank under torchrun: tokens/s and peak memory   and FSDP's shard on
+                     of engine=fsdp against engine=ddp (alone, FSDP      a group of one is
+                     shards over a group of one: its cost, not its       the whole model
+                     saving across GPUs, which fsdp_memory.py counts)
 
 The N-GPU checks are skipped on one GPU, and a configuration the trainer refuses here
 (fp16 on a CPU, torch.compile with no compiler or no Triton) is skipped with its words.
@@ -43,11 +48,12 @@ N stopped it (143: SIGTERM, 130: SIGINT).
 
 --tiny: a few steps of each, for `make test` (tests/test_gpu_check.py), so that the kit
 cannot rot: 70% for the MNIST target, one seed, a small convnet on 3x32x32 for ResNet-50,
-and with --device cpu two CPU workers over Gloo stand in for N GPUs.
+a two-block toy GPT for GPT-2 small, and with --device cpu two CPU workers over Gloo
+stand in for N GPUs.
 
 The modules: gpu_kit.py (modes, the kit, a check's result), gpu_mnist.py,
-gpu_equivalence.py (parity, preemption) and gpu_speed.py (throughput, allreduce) the
-checks, gpu_report.py results.json and report.md, processes.py the processes and taking
+gpu_equivalence.py (parity, preemption) and gpu_speed.py (throughput, allreduce, fsdp)
+the checks, gpu_report.py results.json and report.md, processes.py the processes and taking
 them down, gpu_bundle.py the bundle. Until the trainer's packages are known to import,
 this imports only the standard library, torch and the parts of benchmarks/ that need
 nothing more; the checks import the rest where they use it.
@@ -76,7 +82,7 @@ from spotring.benchmarks.gpu_equivalence import check_parity, check_preemption
 from spotring.benchmarks.gpu_kit import FULL, TINY, Failed, Kit, Result, Skipped
 from spotring.benchmarks.gpu_mnist import check_mnist
 from spotring.benchmarks.gpu_report import HEADER, check_row, describe, save
-from spotring.benchmarks.gpu_speed import VARIANTS, check_allreduce, check_throughput
+from spotring.benchmarks.gpu_speed import VARIANTS, check_allreduce, check_fsdp, check_throughput
 from spotring.benchmarks.predict import positive
 
 BUDGET = 540.0  # seconds: the 9 minutes of a 10-minute command, the rest to start and save
@@ -101,6 +107,7 @@ CHECKS = [
     *(Check(f"throughput {v}", partial(check_throughput, variant=v)) for v in VARIANTS),
     Check("preemption", check_preemption),
     Check("allreduce", check_allreduce, many=True),
+    Check("fsdp", check_fsdp),
 ]
 
 

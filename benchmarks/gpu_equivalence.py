@@ -75,7 +75,7 @@ def check_preemption(kit: Kit, result: Result) -> None:
     def command(run_dir: Path) -> list[str]:
         # A record every step, so that the signal is sent as soon as the step is logged.
         return [sys.executable, "-m", "spotring.benchmarks.deterministic_trainer",
-                *kit.trainer_args(run_dir, "telemetry.log_every=1", "preemption.imds=false",
+                *kit.trainer_args(run_dir, "telemetry.log_every=1", "preemption.notices=none",
                                   *steps)]
 
     whole, cut = kit.run_dir("preemption-whole"), kit.run_dir("preemption-cut")

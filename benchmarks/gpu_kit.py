@@ -42,6 +42,7 @@ class Mode:
     sigterm_after: int  # steps
     allreduce_sizes: tuple[int, ...]
     allreduce_budget: float  # seconds of timed calls per size
+    fsdp: tuple[str, ...]  # the fsdp check's model and steps: benchmarks/fsdp_ranks.py's options
     parallel: int  # checks at once
     run_timeout: float  # seconds a command may take
 
@@ -58,6 +59,8 @@ FULL = Mode("full", seeds=(0, 1, 2), target=0.99, mnist_steps=None, eval_samples
             batch=128, timing=Timing(log_every=10, warmup_steps=10, intervals=6),
             preemption_steps=None, sigterm_after=50,
             allreduce_sizes=tuple(sizes(KIB, 256 * KIB**2, 4)), allreduce_budget=0.5,
+            fsdp=("--size", "gpt2", "--batch", "8", "--seq", "1024", "--warmup", "3",
+                  "--steps", "10", "--precision", "auto"),
             parallel=1, run_timeout=300)
 # A few steps each; three checks at once, their numbers are not what is tested.
 TINY = Mode("tiny", seeds=(0,), target=0.7, mnist_steps=30, eval_samples=1000,
@@ -65,6 +68,8 @@ TINY = Mode("tiny", seeds=(0,), target=0.7, mnist_steps=30, eval_samples=1000,
             shape=(3, 32, 32), batch=32, timing=Timing(log_every=2, warmup_steps=2, intervals=2),
             preemption_steps=40, sigterm_after=10,
             allreduce_sizes=tuple(sizes(KIB, 64 * KIB, 4)), allreduce_budget=0.02,
+            fsdp=("--size", "tiny", "--batch", "2", "--seq", "16", "--warmup", "1", "--steps",
+                  "2", "--precision", "auto"),
             parallel=3, run_timeout=180)
 
 

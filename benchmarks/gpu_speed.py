@@ -4,6 +4,8 @@ what they share):
     throughput VARIANT   img/s and peak memory of one process, per precision, memory
                          order and compilation (VARIANTS)
     allreduce            nccl-tests' bus bandwidth against message size on every device
+    fsdp                 tokens/s and peak memory of a GPT-2-small-size model on one
+                         device, engine=fsdp against engine=ddp
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 from pathlib import Path
 
 from spotring.benchmarks.allreduce import bandwidth, size_label
-from spotring.benchmarks.gpu_kit import COMPOSING, Kit, Result, Skipped, rate, torchrun
+from spotring.benchmarks.gpu_kit import COMPOSING, Failed, Kit, Result, Skipped, rate, torchrun
 from spotring.benchmarks.runs import REPO, Setup, json_line, measure, shown, synthetic
 from spotring.benchmarks.stats import mean_ci
 
@@ -77,3 +79,31 @@ def check_allreduce(kit: Kit, result: Result) -> None:
     result.summary = (f"{transport}, {said['ranks']} ranks: busbw {best['busbw_gbps']:.2f} GB/s "
                       f"at {size_label(best['bytes'])}, {rows[0]['seconds'] * 1e6:.0f} µs at "
                       f"{size_label(rows[0]['bytes'])}")
+
+
+def check_fsdp(kit: Kit, result: Result) -> None:
+    """benchmarks/fsdp_ranks.py as one rank under torchrun, with engine=ddp and then with
+    engine=fsdp, each alone on the device: tokens/s and peak memory (the mode's model:
+    GPT-2 small's shape, batch 8 x 1024 tokens, bf16 where the device computes it).
+    Alone, FSDP shards over a group of one, so its shard is the whole model: the row
+    measures what FSDP's machinery costs against DDP (the gathers and reduce-scatters
+    through the group, the bfloat16 copies of its mixed precision, the hooks), not what
+    it saves across workers, which benchmarks/fsdp_memory.py counts."""
+    figures = {}
+    for engine in ("ddp", "fsdp"):
+        command = torchrun(1, ["--engine", engine, *kit.mode.fsdp, "--device", kit.device,
+                               "--run-dir", str(kit.run_dir(f"fsdp-{engine}"))],
+                           module="spotring.benchmarks.fsdp_ranks")
+        result.commands.append(shown(command))
+        (stdout,) = kit.run(command)
+        figures[engine] = json_line(stdout, "fsdp_ranks")["fsdp_ranks"]
+    result.figures = figures
+    said = [f"{e} {f['tokens_per_second']:.0f} tokens/s, peak "
+            f"{f['ranks'][0]['peak_memory_mib']:.0f} MiB" for e, f in figures.items()]
+    run = figures["fsdp"]
+    result.summary = (f"{run['parameters'] / 1e6:.3g}M parameters, {run['batch']} x "
+                      f"{run['seq']} tokens, {run['precision']}: {'; '.join(said)}")
+    shard, whole = (figures[e]["ranks"][0]["parameter_bytes"] for e in ("fsdp", "ddp"))
+    if shard != whole:
+        raise Failed(f"FSDP's shard on a group of one holds {shard} bytes of parameters, "
+                     f"the model {whole}")

@@ -9,21 +9,24 @@ on synthetic 3x32x32 images, whose size changes the steps but not the checkpoint
 checkpoint.uri on a moto S3 server that this benchmark starts on 127.0.0.1 (moto is in
 the test extra: pip install '.[test]'). After a few steps it sends the trainer SIGTERM,
 the signal EC2 ends a spot instance with and the trainer's notice of last resort, and
-reads rank 0's preempted.json (trainer/loop.py, Trainer._notice_budget):
+reads rank 0's preempted.json (spotring/preemption.py, notice_budget), checking that S3
+holds every part of the checkpoint as its manifest lists it:
 
     signal to notice     SIGTERM sent -> the trainer's handler ran (noticed_at)
     notice to local      noticed_at -> the checkpoint complete in checkpoint.dir: the step
-                         in progress and the next (the ranks' vote), serialising, writing
-    notice to S3         noticed_at -> complete on S3 and read back (saved_at)
-    upload               the checkpoint's bytes / the S3 store's seconds, in MB/s
+                         in progress and the next (the ranks' vote), writing its parts
+                         and reading them back
+    notice to S3         noticed_at -> every part on S3, its size checked, and the
+                         manifest written and read back (saved_at)
+    upload               the checkpoint's bytes (all parts) / the S3 store's seconds, in MB/s
     margin               EC2's 120 s - notice to S3
 
 Every figure is the mean over the repeats with its 95% interval (benchmarks/stats.py).
 moto keeps S3 in this machine's memory, so the MB/s is the trainer's own upload path
-(boto3's multipart upload, 16 MB parts, the read-back) without a network; on EC2 the
-instance's bandwidth to S3 takes its place. Results: benchmarks/results/notice_budget/
-(--name): results.json, report.md, and runs/ (each run's log, metrics and
-preempted.json). Exits 2 with a message when moto is missing.
+(each part's multipart upload in 16 MB chunks, its size check, the manifest) without a
+network; on EC2 the instance's bandwidth to S3 takes its place. Results:
+benchmarks/results/notice_budget/ (--name): results.json, report.md, and runs/ (each
+run's log, metrics and preempted.json). Exits 2 with a message when moto is missing.
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ def stop_once(args: argparse.Namespace, run_dir: Path, env: dict[str, str],
         "model=torchvision", f"model.arch={args.arch}", "dataset=synthetic",
         "dataset.shape=[3,32,32]", "dataset.num_classes=1000",
         f"dataset.train_size={args.batch * STEPS}", "dataset.test_size=64",
-        f"train.batch_size={args.batch}", f"checkpoint.uri={uri}", "preemption.imds=false"])
+        f"train.batch_size={args.batch}", f"checkpoint.uri={uri}", "preemption.notices=none"])
     with started(command, run_dir / "output.log", **env) as proc:
         until_step(proc, run_dir, args.steps, START_SECONDS)
         signalled = time.time()
@@ -106,11 +109,7 @@ def stop_once(args: argparse.Namespace, run_dir: Path, env: dict[str, str],
         raise RuntimeError(f"{shown(command)} exited {code} after SIGTERM, not "
                            f"{EXIT_PREEMPTED}; see {run_dir}/output.log")
     note = json.loads((run_dir / PREEMPTED).read_text())
-    key = f"{run_dir.name}/{checkpoint.payload_name(note['step'])}"
-    on_s3 = client.head_object(Bucket=BUCKET, Key=key)["ContentLength"]
-    if on_s3 != note["upload_bytes"]:
-        raise RuntimeError(f"s3://{BUCKET}/{key}: {on_s3} bytes, preempted.json says "
-                           f"{note['upload_bytes']}")
+    check_upload(client, run_dir.name, note)
     last = trainer_records(run_dir, "train")[-1]  # and the checkpoints deleted: 200 MB each
     to_s3 = note["saved_at"] - note["noticed_at"]
     return {
@@ -126,6 +125,26 @@ def stop_once(args: argparse.Namespace, run_dir: Path, env: dict[str, str],
         "upload_mb_s": note["upload_bytes"] / 1e6 / note["upload_seconds"],
         "margin": NOTICE_SECONDS - to_s3,
     }
+
+
+def check_upload(client, prefix: str, note: dict) -> None:
+    """The checkpoint of the stop is on S3 under ``prefix`` as preempted.json counts it:
+    every part its manifest lists, each as long as the manifest says, upload_bytes in all
+    (RuntimeError naming the object otherwise)."""
+    step = note["step"]
+    key = f"{prefix}/{checkpoint.manifest_name(step)}"
+    manifest = json.loads(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    total = 0
+    for name, part in manifest["parts"].items():
+        part_key = f"{prefix}/{checkpoint.folder_name(step)}/{name}"
+        on_s3 = client.head_object(Bucket=BUCKET, Key=part_key)["ContentLength"]
+        if on_s3 != part["bytes"]:
+            raise RuntimeError(f"s3://{BUCKET}/{part_key}: {on_s3} bytes, its manifest "
+                               f"says {part['bytes']}")
+        total += on_s3
+    if total != note["upload_bytes"]:
+        raise RuntimeError(f"s3://{BUCKET}/{key}: {total} bytes in {len(manifest['parts'])} "
+                           f"parts, preempted.json says {note['upload_bytes']}")
 
 
 def measure(args: argparse.Namespace, folder: Path) -> dict:
@@ -170,8 +189,8 @@ def render(folder: Path, results: dict) -> Path:
         f"## Notice budget: {section['arch']}, one CPU worker, moto S3 on 127.0.0.1",
         table(["", "mean ± 95%", *(f"run {i}" for i in range(len(runs)))], rows),
         "Notice to local includes the step in progress and the next one (the ranks' vote "
-        "is read a step late), then serialising and writing. moto holds S3 in memory: "
-        "the MB/s is the trainer's upload path without a network. The method: "
+        "is read a step late), then writing the parts and reading them back. moto holds S3 "
+        "in memory: the MB/s is the trainer's upload path without a network. The method: "
         "`benchmarks/notice_budget.py`; every run's command, log and preempted.json are in "
         "`results.json` and `runs/`.",
         "```sh\n" + "\n".join(dict.fromkeys(r["command"] for r in runs)) + "\n```",

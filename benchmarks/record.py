@@ -45,6 +45,25 @@ def write(name: str | None, kind: str, command: str, measure: Callable[[Path], d
     return folder
 
 
+def run_alone(module: str, argv: list[str], name: str | None, kind: str,
+              measure: Callable[[Path], dict], derive: Callable[[dict], dict],
+              render: Callable[[Path, dict], Path]) -> int:
+    """A benchmark run on its own (`python -m ``module`` ``argv```): ``write`` its results
+    folder (``name``, ``kind``, ``measure``, ``derive``), then ``render(folder, results)``
+    its report, and say where. Returns 0, the exit code of its main."""
+    command = command_line(module, f"python -m {module}", argv)
+    folder = write(name, kind, command, measure, derive)
+    print(f"written: {render(folder, load(folder))}")
+    return 0
+
+
+def write_report(folder: Path, markdown: str) -> Path:
+    """folder/report.md holding ``markdown``, replaced whole or not at all."""
+    path = folder / "report.md"
+    write_atomic(path, (markdown + "\n").encode())
+    return path
+
+
 def command_line(module: str, prog: str, argv: list[str]) -> str:
     """How this process was started, as a user would type it: `python -m module ARGV`, or
     `prog ARGV` (spotring's command)."""

@@ -70,8 +70,10 @@ def fetch(ssh: Ssh, node: Node, workdir: str, results: str, dest: Path) -> list[
                      check=False)
     if listed.returncode != 0:  # no such directory: the job wrote nothing
         return []
-    newest = checkpoint.manifests(listed.stdout.decode().split())[:1]
-    files = [f"checkpoints/{name}" for manifest in newest for name in checkpoint.files_of(manifest)]
+    names = listed.stdout.decode().split()
+    newest = checkpoint.manifests(names)[:1]
+    files = [f"checkpoints/{name}" for manifest in newest
+             for name in checkpoint.files_of(manifest) if name in names]
     command = (f"cd {src} && tar -czf - --exclude=./checkpoints . "
                + " ".join(map(shlex.quote, files)))
     dest.mkdir(parents=True, exist_ok=True)

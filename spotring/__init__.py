@@ -6,7 +6,7 @@ Your own script, a few lines added (docs/api.md; examples/):
 
     with spotring.init() as job:                         # rank, device, process group
         loader = job.loader(dataset, global_batch=256)   # the same samples on any W
-        model, optimizer = job.wrap(model, optimizer)    # DDP or Horovod
+        model, optimizer = job.wrap(model, optimizer)    # DDP, FSDP or Horovod
         job.track(model=model, optimizer=optimizer, loader=loader)
         job.restore()
         ...
@@ -32,6 +32,7 @@ _EXPORTS = {
     "Job": "spotring.job",
     "EngineOptions": "spotring.options",
     "DDPOptions": "spotring.engines.ddp",
+    "FSDPOptions": "spotring.engines.fsdp",
     "HorovodOptions": "spotring.engines.horovod",
     "CheckpointOptions": "spotring.options",
     "PreemptionOptions": "spotring.options",
@@ -53,6 +54,7 @@ __all__ = list(_EXPORTS)
 
 if _typing.TYPE_CHECKING:  # what type checkers see; "X as X": a re-export (PEP 484)
     from spotring.engines.ddp import DDPOptions as DDPOptions
+    from spotring.engines.fsdp import FSDPOptions as FSDPOptions
     from spotring.engines.horovod import HorovodOptions as HorovodOptions
     from spotring.exits import EXIT_CONFIG as EXIT_CONFIG
     from spotring.exits import EXIT_DIVERGED as EXIT_DIVERGED

@@ -1,40 +1,43 @@
-"""Checkpoints: written by rank 0, complete-or-invisible, verified before use.
+"""Checkpoints: every rank writes its part, complete-or-invisible, verified before use.
 
-A checkpoint is two objects, in checkpoint.dir and (with checkpoint.uri) in S3:
+A checkpoint is a folder of parts and a manifest, in checkpoint.dir and (with
+checkpoint.uri) in S3:
 
-    ckpt-000001200.pt    torch.save of the tracked state (model, optimizer, data
-                         position...), every rank's RNG state and the gradient scaler
-    ckpt-000001200.json  its manifest: the format number, sha256 and size of the .pt,
-                         step, epoch, world size, global batch and the job's annotations
+    ckpt-000001200/            its parts: each rank's __RANK_0.distcp and DCP's .metadata
+                               (spotring/sharded.py), and spotring.pt (rank 0: the data
+                               position, every rank's RNG state, the gradient scaler)
+    ckpt-000001200.json        its manifest: the format number, the size and sha256 of
+                               every part, step, epoch, world size, global batch and the
+                               job's annotations
 
 This module is the one place that knows those names: whoever else looks for checkpoints
 (the launcher bringing a run's newest back, a sweep, the benchmarks) asks it
-(``manifests``, ``files_of``, ``payload_name``, ``newest_valid``).
+(``manifests``, ``files_of``, ``folder_name``, ``newest_valid``).
 
-Each store makes each object complete-or-invisible (stores.py), and the .pt is
-written before its manifest: a checkpoint without a manifest does not exist for a
-reader, so a crash or a cut upload at any point leaves the previous checkpoint the
-newest. A save reads back what a reader will find (the .pt's stored size before the
-manifest goes up, then the manifest itself), so a checkpoint save() returned is on
-every store. Before a checkpoint is used its bytes are checked against the manifest,
-because torch.load accepts a file with flipped bytes and returns wrong weights; a
-truncated or corrupt one is reported and skipped, and the next older one is tried.
-resume=auto takes the newest valid checkpoint of all stores.
+The manifest is written last, by rank 0, once every rank has written its parts, read
+them back (size and sha256 from the disk) and, with a uri, uploaded them and seen S3
+hold their size: a checkpoint without a manifest does not exist for a reader, so a rank
+killed at any point of a save leaves the previous checkpoint the newest, and the next
+save removes what no manifest lists. Before a checkpoint is used its parts are checked
+against the manifest, because torch.load accepts a file with flipped bytes and returns
+wrong weights: a checkpoint with a part missing, short or corrupt is reported, naming
+the part, and skipped for the next older one. resume=auto takes the newest valid
+checkpoint of all stores.
 
-A manifest of a newer format than FORMAT is refused (ConfigError, exit 2): this spotring
-cannot know what it holds, and skipping it would resume from an older checkpoint.
+Format 1, a single ckpt-NNNNNNNNN.pt beside its manifest (spotring before sharded
+checkpoints), is read too; a manifest of a newer format than FORMAT is refused
+(ConfigError, exit 2): this spotring cannot know what it holds, and skipping it would
+resume from an older checkpoint.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import logging
 import re
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,19 +46,23 @@ from spotring.stores import DirectoryStore, S3Store
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # of the manifest and the .pt; a reader refuses a newer one
+FORMAT = 2  # of the manifest and the parts; a reader refuses a newer one
+SINGLE_FILE = 1  # the format of one .pt beside its manifest, still read
+EXTRAS = "spotring.pt"  # the part rank 0 writes beside DCP's
 _MANIFEST = re.compile(r"^ckpt-(\d{9})\.json$")
-_PAYLOAD, _PREFIX = "ckpt-{step:09d}.pt", "ckpt-"
+_FOLDER, _PREFIX = "ckpt-{step:09d}", "ckpt-"
+
+Store = DirectoryStore | S3Store
 
 
-def payload_name(step: int) -> str:
-    """The name of step ``step``'s checkpoint file (the .pt), in any store."""
-    return _PAYLOAD.format(step=step)
+def folder_name(step: int) -> str:
+    """The name of step ``step``'s folder of parts, in any store."""
+    return _FOLDER.format(step=step)
 
 
 def manifest_name(step: int) -> str:
     """The name of step ``step``'s manifest, whose presence makes the checkpoint exist."""
-    return _manifest_name(payload_name(step))
+    return folder_name(step) + ".json"
 
 
 def manifests(names: Iterable[str]) -> list[str]:
@@ -63,32 +70,113 @@ def manifests(names: Iterable[str]) -> list[str]:
     return sorted((n for n in names if _MANIFEST.match(n)), reverse=True)
 
 
-def files_of(manifest: str) -> tuple[str, str]:
-    """(manifest, .pt): the two objects of the checkpoint a manifest names."""
-    return manifest, manifest.removesuffix(".json") + ".pt"
+def files_of(manifest: str) -> tuple[str, str, str]:
+    """(manifest, folder, single file): what a checkpoint's manifest names, its folder of
+    parts (format 2) or its single .pt (format 1); a store holds one of the two."""
+    stem = manifest.removesuffix(".json")
+    return manifest, stem, stem + ".pt"
 
 
 def newest_valid(directory: str | Path, uri: str | None = None) -> Checkpoint | None:
-    """The newest checkpoint of ``directory`` (and of S3 ``uri``) whose bytes match its
-    manifest, verified, not yet loaded; None where there is none."""
+    """The newest checkpoint of ``directory`` (and of S3 ``uri``) whose parts match its
+    manifest, verified here in this one process, not yet loaded; None where there is none."""
     return Checkpoints(directory, keep=1, uri=uri).newest_valid()
 
-Store = DirectoryStore | S3Store
+
+class CorruptCheckpoint(Exception):
+    """A checkpoint that cannot be used; the message names the part."""
+
+
+class CheckpointNotSaved(Exception):
+    """A store holds other than what a save wrote to it; the message names the object."""
 
 
 @dataclass
 class Checkpoint:
-    """A verified checkpoint: its manifest, and its bytes (not yet unpickled)."""
+    """A checkpoint found in ``store``: its manifest read, its parts not yet checked.
+
+    location: its folder (or .pt) where a reader finds it; name: its manifest's name in
+    the store (None: a bare .pt, no manifest)."""
 
     location: str
     manifest: dict[str, Any]
-    payload: bytes
+    store: Store
+    name: str | None
+
+    @property
+    def format(self) -> int:
+        return int(self.manifest.get("format", SINGLE_FILE))
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    @property
+    def folder(self) -> str:
+        """Its folder of parts in the store (format 2)."""
+        return files_of(self.name or "")[1]
+
+    def parts(self) -> dict[str, dict[str, Any]]:
+        """Each part's name in the store: {"bytes", "sha256"} (None: nothing to check it
+        against, a bare .pt)."""
+        if self.format == SINGLE_FILE:
+            return {self.manifest["file"]: {"bytes": self.manifest.get("bytes"),
+                                           "sha256": self.manifest.get("sha256")}}
+        return {f"{self.folder}/{name}": part for name, part in self.manifest["parts"].items()}
+
+    def problems(self, hashed: Iterable[str] = ()) -> list[str]:
+        """What is wrong with it, one line per part naming it: any part missing or of
+        another size than its manifest says (every part), or whose sha256 differs (the
+        parts in ``hashed``; across the ranks of a restore each hashes its share)."""
+        parts = self.parts()
+        try:
+            sizes = self.store.sizes(self.folder + "/" if self.format != SINGLE_FILE
+                                     else next(iter(parts)))
+        except Exception as e:  # an S3 error, a directory gone: all mean unusable
+            return [f"{self.location}: unreadable ({e})"]
+        found = []
+        for name, part in parts.items():
+            where = self.store.location(name)
+            if name not in sizes:
+                found.append(f"{where}: missing")
+            elif part["bytes"] is not None and sizes[name] != part["bytes"]:
+                found.append(f"{where}: truncated, {sizes[name]} of {part['bytes']} bytes")
+        if found:
+            return found
+        for name in hashed:
+            expected = parts[name]["sha256"]
+            if expected is not None and self.store.sha256(name) != expected:
+                found.append(f"{self.store.location(name)}: corrupt, sha256 does not match "
+                             "its manifest")
+        return found
+
+    def verify(self) -> None:
+        """Check every part here (CorruptCheckpoint naming them where any is wrong)."""
+        if problems := self.problems(self.parts()):
+            raise CorruptCheckpoint("; ".join(problems))
 
     def load(self) -> dict[str, Any]:
+        """The whole checkpoint, in this one process, as plain tensors: {tracked name:
+        state_dict, ..., "spotring": {step, rng, ...}}. For readers outside a job (tests,
+        tools); a job restores with spotring.Job.restore, each rank reading its own part."""
+        import io
+        import tempfile
+
         import torch  # here, not at the top: launchers read the layout without torch
 
-        # weights_only: a checkpoint holds tensors and plain containers, nothing to execute.
-        return torch.load(io.BytesIO(self.payload), map_location="cpu", weights_only=True)
+        if self.format == SINGLE_FILE:
+            data = self.store.read(next(iter(self.parts())))
+            # weights_only: a checkpoint holds tensors and containers, nothing to execute.
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        from spotring import sharded
+
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp)
+            for name in self.parts():
+                (folder / name.split("/", 1)[1]).write_bytes(self.store.read(name))
+            whole = sharded.load_whole(folder)
+            whole.update(torch.load(folder / EXTRAS, map_location="cpu", weights_only=True))
+        return whole
 
     def check_matches(self, annotations: dict[str, Any]) -> None:
         """Refuse (ConfigError) a checkpoint whose manifest gives any of ``annotations``
@@ -105,25 +193,24 @@ class Checkpoint:
                 "directory, or another checkpoint.")
 
 
-class CorruptCheckpoint(Exception):
-    pass
-
-
-class CheckpointNotSaved(Exception):
-    """A store holds other than what a save wrote to it; the message names the object."""
-
-
 @dataclass
 class Saved:
-    """A checkpoint as Checkpoints.save left it: complete and read back on every store."""
+    """A checkpoint as Checkpoints.save left it: every part written, read back and
+    uploaded by the rank that wrote it, the manifest published.
 
-    location: str  # the local copy
-    bytes: int  # the .pt's size
-    serialise_seconds: float  # torch.save and sha256, before any store
-    # Per store (its `where`, in the order written: local first): seconds to write the
-    # .pt and its manifest and read them back, and time.time() once that was done.
-    seconds: dict[str, float]
-    done_at: dict[str, float]
+    location: the checkpoint's folder in the checkpoint directory (or in S3, where the
+    ranks do not share a disk); bytes: of all parts; rank_bytes: the most one rank wrote;
+    parts: how many; seconds, done_at: per store (its ``where``, local first), the
+    slowest rank's seconds from the start of the save to its parts written and read back
+    (uploaded and their size seen, for S3; the manifest's write included), and the
+    time.time() by which every rank was done there."""
+
+    location: str
+    bytes: int
+    rank_bytes: int
+    parts: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    done_at: dict[str, float] = field(default_factory=dict)
 
     @property
     def complete_at(self) -> float:
@@ -131,17 +218,18 @@ class Saved:
         return max(self.done_at.values())
 
     def describe(self) -> str:
-        """One line, e.g. "205.4 MB: serialised in 0.61 s, DIR in 0.28 s (733.6 MB/s),
-        s3://b/p in 2.10 s (97.8 MB/s)"; MB are 10^6 bytes, and a store's MB/s counts its
-        small requests for the manifest and the read-back too."""
+        """One line, e.g. "205.4 MB in 3 parts (at most 68.5 MB from one rank): DIR in
+        0.28 s (733.6 MB/s), s3://b/p in 2.10 s (97.8 MB/s)"; MB are 10^6 bytes, and a
+        store's MB/s counts its small requests for the manifest and the read-back too."""
         stores = [f"{where} in {s:.2f} s ({self.bytes / 1e6 / max(s, 1e-9):.1f} MB/s)"
                   for where, s in self.seconds.items()]
-        return (f"{self.bytes / 1e6:.1f} MB: serialised in {self.serialise_seconds:.2f} s, "
-                + ", ".join(stores))
+        return (f"{self.bytes / 1e6:.1f} MB in {self.parts} parts (at most "
+                f"{self.rank_bytes / 1e6:.1f} MB from one rank): " + ", ".join(stores))
 
 
 class Checkpoints:
-    """The checkpoints of a run: rank 0's directory, and S3 when a uri is given."""
+    """The checkpoints of a run: each host's checkpoint directory, and S3 when a uri is
+    given (the store every rank of every host reaches)."""
 
     def __init__(self, directory: str | Path, keep: int, uri: str | None = None) -> None:
         self.local = DirectoryStore(directory)
@@ -153,6 +241,10 @@ class Checkpoints:
     def where(self) -> str:
         return " and ".join(store.where for store in self.stores)
 
+    def use_directory(self, directory: str | Path) -> None:
+        """Keep the local copies in ``directory`` from now on."""
+        self.local = self.stores[0] = DirectoryStore(directory)
+
     def manifests(self) -> list[tuple[str, Store]]:
         """(manifest name, store), newest (highest step) first; local before S3."""
         found = [(name, i, store) for i, store in enumerate(self.stores)
@@ -160,71 +252,169 @@ class Checkpoints:
         found.sort(key=lambda f: (f[0], -f[1]), reverse=True)
         return [(name, store) for name, _, store in found]
 
-    def save(self, state: dict[str, Any], meta: dict[str, Any]) -> Saved:
-        """Write ``state`` as the checkpoint of step ``meta['step']`` to every store, one
-        after the other, local first; then drop the oldest beyond checkpoint.keep.
-        Raises CheckpointNotSaved, naming the object, when a store holds other than what
-        was written (a .pt stored short gets no manifest), and whatever a store raises;
-        either way the checkpoints before are all kept."""
-        started = time.perf_counter()
-        blob = payload_name(meta["step"])
-        buffer = io.BytesIO()
-        import torch
-
-        torch.save(state, buffer)
-        payload = buffer.getvalue()
-        manifest = json.dumps({
-            "format": FORMAT,
-            "file": blob,
-            "bytes": len(payload),
-            "sha256": hashlib.sha256(payload).hexdigest(),
-            "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            **meta,
-        }, indent=1).encode()
-        serialised = time.perf_counter() - started
-        seconds, done_at = {}, {}
-        for store in self.stores:
-            started = time.perf_counter()
-            _put(store, blob, payload, manifest)
-            seconds[store.where], done_at[store.where] = time.perf_counter() - started, time.time()
-        for store in self.stores:
-            self._drop_old(store)
-        return Saved(self.local.location(blob), len(payload), serialised, seconds, done_at)
-
-    def _drop_old(self, store: Store) -> None:
-        keep = {name for manifest in manifests(store.names())[: self.keep]
-                for name in files_of(manifest)}
-        for name in store.names():
-            if name.startswith(_PREFIX) and name not in keep:
-                store.delete(name)
-
-    def verify(self, manifest_name: str, store: Store) -> Checkpoint:
-        """The checkpoint of a manifest if its bytes match, else CorruptCheckpoint."""
-        where = store.location(manifest_name)
-        try:
-            manifest = json.loads(store.read(manifest_name))
-            _check_format(manifest, where)
-            blob = manifest["file"]
-            payload = store.read(blob)
-        except ConfigError:
-            raise
-        except Exception as e:  # missing object, bad JSON, S3 errors: all mean unusable
-            raise CorruptCheckpoint(f"{where}: unreadable ({e})") from e
-        location = store.location(blob)
-        if len(payload) != manifest["bytes"]:
-            raise CorruptCheckpoint(
-                f"{location}: truncated, {len(payload)} of {manifest['bytes']} bytes")
-        if hashlib.sha256(payload).hexdigest() != manifest["sha256"]:
-            raise CorruptCheckpoint(f"{location}: corrupt, sha256 does not match its manifest")
-        return Checkpoint(location, manifest, payload)
+    def found(self, stores: Sequence[Store] | None = None) -> list[Checkpoint]:
+        """Every checkpoint of ``stores`` (default all) whose manifest reads, newest first,
+        parts not checked; an unreadable manifest is reported and skipped, one of a newer
+        format refused (ConfigError)."""
+        checkpoints = []
+        for name, store in self.manifests():
+            if stores is not None and store not in stores:
+                continue
+            try:
+                manifest = json.loads(store.read(name))
+            except Exception as e:  # cut, or gone meanwhile
+                log.warning("skipping checkpoint: %s: unreadable (%s)", store.location(name), e)
+                continue
+            _check_format(manifest, store.location(name))
+            checkpoints.append(_checkpoint(name, manifest, store))
+        return checkpoints
 
     def newest_valid(self) -> Checkpoint | None:
-        for name, store in self.manifests():
+        """The newest checkpoint whose every part matches its manifest, all checked here."""
+        for checkpoint in self.found():
             try:
-                return self.verify(name, store)
+                checkpoint.verify()
+                return checkpoint
             except CorruptCheckpoint as e:
                 log.warning("skipping checkpoint: %s", e)
         return None
+
+    def save(self, state: dict[str, Any], meta: dict[str, Any],
+             extras: dict[str, Any] | None = None, comm: Any = None,
+             cleans: bool = True) -> Saved:
+        """Write the checkpoint of step ``meta['step']`` (a collective over ``comm``, a
+        spotring.sharded.Comm; None: this process alone): every rank its part of
+        ``state`` (DCP: tensors, sharded or alike on every rank) into its checkpoint
+        directory, rank 0 ``extras`` (torch.save: positions, RNG states) beside them;
+        each rank reads its files back, uploads them with a uri, and reports; rank 0
+        then writes the manifest to every store that holds every part (the checkpoint
+        directory only where the ranks share it, or are one) and drops the checkpoints
+        beyond checkpoint.keep in S3; ``cleans``: this process also drops them from its
+        checkpoint directory (one process per host does: local rank 0). Raises
+        CheckpointNotSaved on every rank, naming the rank and the object, where any rank
+        failed; the checkpoints before are all kept."""
+        from spotring import sharded
+
+        comm = comm or sharded.ALONE
+        started = time.time()
+        folder = folder_name(meta["step"])
+        report: dict[str, Any] = {"rank": comm.rank}
+        try:
+            files = sharded.write(state, self.local.path / folder, comm)
+            if comm.rank == 0:
+                import torch
+
+                buffer = _bytes_of(torch, extras or {})
+                self.local.write(f"{folder}/{EXTRAS}", buffer)
+                files.append(EXTRAS)
+            report |= self._publish(folder, files, started)
+        except (Exception, sharded.CheckpointException) as e:
+            # Every rank must hear of it, or the others wait forever. (DCP's own
+            # CheckpointException, gathered from every rank, is a BaseException.)
+            report["error"] = "; ".join(
+                f"rank {rank}: {type(error).__name__}: {error}"
+                for rank, error in sharded.failures(e, comm.rank).items())
+        reports = comm.all_gather(report)
+        if errors := [r["error"] for r in reports if "error" in r]:
+            raise CheckpointNotSaved("; ".join(errors))
+        saved = None
+        if comm.rank == 0:
+            try:
+                saved = self._manifest(folder, meta, reports)
+            except Exception as e:
+                saved = CheckpointNotSaved(f"rank 0: {type(e).__name__}: {e}")
+        saved = comm.broadcast(saved)
+        if isinstance(saved, Exception):
+            raise saved
+        if cleans:
+            self._drop_old(self.local)
+        return saved
+
+    def _publish(self, folder: str, files: list[str], started: float) -> dict[str, Any]:
+        """This rank's part of a save, after DCP wrote its files: each read back (size and
+        sha256 from the disk), then uploaded and its stored size checked."""
+        parts = {}
+        for name in files:
+            path = f"{folder}/{name}"
+            parts[name] = {"bytes": self.local.size(path), "sha256": self.local.sha256(path)}
+        times = {self.local.where: (time.time() - started, time.time())}
+        if self.remote is not None:
+            for name, part in parts.items():
+                path = f"{folder}/{name}"
+                try:
+                    self.remote.upload(path, self.local.path / path)
+                except Exception as e:  # cut off, refused: name the object
+                    raise CheckpointNotSaved(f"{self.remote.location(path)}: not uploaded "
+                                             f"({type(e).__name__}: {e})") from e
+                if (stored := self.remote.size(path)) != part["bytes"]:
+                    raise CheckpointNotSaved(f"{self.remote.location(path)}: {stored} bytes "
+                                             f"stored of the {part['bytes']} written")
+            times[self.remote.where] = (time.time() - started, time.time())
+        return {"parts": parts, "times": times}
+
+    def _manifest(self, folder: str, meta: dict[str, Any],
+                  reports: list[dict[str, Any]]) -> Saved:
+        """Rank 0: the manifest of every rank's parts, on each store that holds them all."""
+        parts = {name: part for r in reports for name, part in r["parts"].items()}
+        manifest = json.dumps({
+            "format": FORMAT,
+            "parts": parts,
+            "bytes": sum(p["bytes"] for p in parts.values()),
+            "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **meta,
+        }, indent=1).encode()
+        rank_bytes = max(sum(p["bytes"] for p in r["parts"].values()) for r in reports)
+        total = sum(p["bytes"] for p in parts.values())
+        location, seconds, done_at = None, {}, {}
+        here = set(self.local.names())
+        for store in self.stores:
+            local = store is self.local
+            if local and not all(f"{folder}/{name}" in here for name in parts):
+                continue  # the ranks write on several disks: S3 holds the whole checkpoint
+            name = folder + ".json"
+            store.write(name, manifest)
+            if store.read(name) != manifest:
+                raise CheckpointNotSaved(f"{store.location(name)}: reads back other than written")
+            seconds[store.where] = max(r["times"][store.where][0] for r in reports)
+            done_at[store.where] = time.time() if not local else max(
+                r["times"][store.where][1] for r in reports)
+            location = location or store.location(folder)
+            if not local:
+                self._drop_old(store)
+        if location is None:
+            raise CheckpointNotSaved(
+                f"{self.local.location(folder)}: the ranks wrote their parts on disks of "
+                "their own and no checkpoint.uri holds them all")
+        return Saved(location, total, rank_bytes, len(parts), seconds, done_at)
+
+    def _drop_old(self, store: Store) -> None:
+        """Delete what the newest checkpoint.keep manifests do not list: older
+        checkpoints, and the parts of saves that never got a manifest."""
+        names = store.names()
+        keep = set()
+        for name in manifests(names)[: self.keep]:
+            try:
+                checkpoint = _checkpoint(name, json.loads(store.read(name)), store)
+            except Exception:  # cut, or removed meanwhile by another host's cleaner
+                continue
+            keep |= {name, *checkpoint.parts()}
+        for name in names:
+            if name.startswith(_PREFIX) and name not in keep:
+                store.delete(name)
+
+
+def _bytes_of(torch: Any, obj: Any) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _checkpoint(name: str, manifest: dict[str, Any], store: Store) -> Checkpoint:
+    if int(manifest.get("format", SINGLE_FILE)) == SINGLE_FILE:
+        return Checkpoint(store.location(manifest["file"]), manifest, store, name)
+    return Checkpoint(store.location(files_of(name)[1]), manifest, store, name)
 
 
 def _check_format(manifest: dict[str, Any], where: str) -> None:
@@ -237,27 +427,10 @@ def _check_format(manifest: dict[str, Any], where: str) -> None:
             "and another checkpoint directory.")
 
 
-def _manifest_name(blob: str) -> str:
-    return blob.removesuffix(".pt") + ".json"
-
-
-def _put(store: Store, blob: str, payload: bytes, manifest: bytes) -> None:
-    """Write a checkpoint to ``store`` and read back what a reader will find: the .pt's
-    stored size before its manifest goes up, so that a short .pt never gets one, then the
-    manifest as written. The sha256 is checked where a checkpoint is used (verify):
-    reading the .pt back here would double the time a spot notice leaves for the upload."""
-    store.write(blob, payload)
-    if (stored := store.size(blob)) != len(payload):
-        raise CheckpointNotSaved(
-            f"{store.location(blob)}: {stored} bytes stored of the {len(payload)} written")
-    name = _manifest_name(blob)
-    store.write(name, manifest)
-    if store.read(name) != manifest:
-        raise CheckpointNotSaved(f"{store.location(name)}: reads back other than written")
-
-
-def find_resume(resume: str, checkpoints: Checkpoints) -> Checkpoint | None:
-    """What ``resume=auto|never|PATH`` resolves to; the file is verified, not yet loaded."""
+def find_resume(resume: str, checkpoints: Checkpoints) -> list[Checkpoint]:
+    """What ``resume=auto|never|PATH`` names: the checkpoints to try, newest first, their
+    manifests read and their parts not yet checked (a restore checks them, all ranks
+    together). PATH: a manifest (ckpt-N.json), a checkpoint's folder, or a format-1 .pt."""
     if resume == "never":
         if found := checkpoints.manifests():
             name, store = found[0]
@@ -265,18 +438,25 @@ def find_resume(resume: str, checkpoints: Checkpoints) -> Checkpoint | None:
                 f"resume=never, but {store.where} already holds checkpoints (newest: "
                 f"{name}); new ones would mix with them. Pass resume=auto to continue from "
                 "them, or choose another checkpoint.dir (and checkpoint.uri).")
-        return None
+        return []
     if resume == "auto":
-        return checkpoints.newest_valid()
+        return checkpoints.found()
     path = Path(resume).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"resume={resume}: no such checkpoint file")
-    if path.with_suffix(".json").is_file():
+    manifest = path.with_suffix(".json") if path.suffix in (".pt", "") else path
+    if not path.exists():
+        raise ConfigError(f"resume={resume}: no such checkpoint (a ckpt-N.json manifest, "
+                          "its folder, or a .pt)")
+    store = DirectoryStore(path.parent)
+    if manifest.is_file():
         try:
-            return checkpoints.verify(path.with_suffix(".json").name,
-                                      DirectoryStore(path.parent))
-        except CorruptCheckpoint as e:
-            raise ConfigError(f"resume={resume}: {e}") from e
+            found = json.loads(manifest.read_text())
+        except ValueError as e:
+            raise ConfigError(f"resume={resume}: its manifest {manifest} is unreadable "
+                              f"({e})") from e
+        _check_format(found, str(manifest))
+        return [_checkpoint(manifest.name, found, store)]
+    if path.suffix != ".pt":
+        raise ConfigError(f"resume={resume}: no manifest {manifest} beside it")
     # A bare .pt (copied without its manifest): usable, but nothing to verify it against.
     log.warning("resume=%s has no manifest beside it; its contents cannot be verified", path)
-    return Checkpoint(str(path), {"file": path.name}, path.read_bytes())
+    return [Checkpoint(str(path), {"format": SINGLE_FILE, "file": path.name}, store, None)]

@@ -28,12 +28,14 @@ The contract (docs/api.md):
 - ``loader`` (spotring.DataLoader): global batch i of an epoch is the same samples for
   any number of workers; its position is part of every checkpoint.
 - ``should_stop`` is a collective: every rank calls it once per step, and it is true
-  on every rank at the same step once any rank saw SIGTERM, SIGUSR1 or an EC2 spot
-  notice. ``save_and_exit`` writes a checkpoint and exits 75.
+  on every rank at the same step (the ranks vote every few steps) once any rank saw
+  SIGTERM, SIGUSR1 or a spot notice (EC2, GCP, Azure). ``save_and_exit`` writes a
+  checkpoint and exits 75.
 - Inside ``with``: a lost or hung rank ends the others with 69, naming it; a
   ``check_finite`` that failed ends every rank with 65; ConfigError with 2.
-- Only rank 0 writes: checkpoints, metrics.jsonl, TensorBoard and summary.json in
-  ``run_dir``.
+- Checkpoints: every rank writes its part (spotring/state.py), a periodic ``save`` in
+  the background; ``restore`` reads each rank's part back onto any world size and engine.
+- Only rank 0 writes metrics.jsonl, TensorBoard and summary.json in ``run_dir``.
 
 Exit codes: spotring/exits.py; what checkpoints hold and how: spotring/state.py.
 """
@@ -92,7 +94,7 @@ def init(*, engine: str | EngineOptions = "ddp", backend: str | None = None,
          checkpoint: CheckpointOptions | None = None,
          checkpoint_dir: str | os.PathLike | None = None, checkpoint_uri: str | None = None,
          keep: int | None = None, preemption: PreemptionOptions | None = None,
-         imds: bool | None = None, check_every_steps: int | None = None,
+         notices: str | None = None, check_every_steps: int | None = None,
          threads: int | None = None, seed: int = 0) -> Job:
     """Join the job this process was started in (see the module docstring): read the
     launcher's environment, take the local rank's GPU or the CPU, join the process group.
@@ -100,10 +102,11 @@ def init(*, engine: str | EngineOptions = "ddp", backend: str | None = None,
     reach) exits 2 with one paragraph naming it and the valid values, before any process
     group exists.
 
-    engine: "ddp" (PyTorch DDP) or "horovod" (Horovod's DistributedOptimizer; under
+    engine: "ddp" (PyTorch DDP), "fsdp" (PyTorch's FSDP2: parameters, gradients and
+        optimizer state sharded) or "horovod" (Horovod's DistributedOptimizer; under
         horovodrun or mpirun), or the engine's options object, such as
-        ``spotring.DDPOptions(bucket_mb=50)``; the engines registered in
-        spotring/engines/ are valid.
+        ``spotring.DDPOptions(bucket_mb=50)`` or ``spotring.FSDPOptions(blocks=[Block])``;
+        the engines registered in spotring/engines/ are valid.
     backend, timeout_s, bucket_mb, sync_bn, compression: the engine's options of those
         names (spotring.EngineOptions, DDPOptions, HorovodOptions document them), in
         place of the defaults or of the options object's; an option the engine does not
@@ -117,10 +120,11 @@ def init(*, engine: str | EngineOptions = "ddp", backend: str | None = None,
     checkpoint: a spotring.CheckpointOptions (dir, uri, keep); checkpoint_dir,
         checkpoint_uri and keep, where given, replace its fields. Defaults: the run_dir's
         checkpoints/; s3://bucket/prefix from $SPOTRING_CHECKPOINT_URI, else none; 3 kept.
-    preemption: a spotring.PreemptionOptions (imds, poll_seconds, check_every_steps);
-        imds and check_every_steps, where given, replace its fields. Defaults: watch EC2's
-        instance metadata for spot notices; poll every 5 s; vote every step (one tiny
-        allreduce: about 1 ms on Gloo, a few percent of a fast CPU step).
+    preemption: a spotring.PreemptionOptions (notices, poll_seconds, check_every_steps);
+        notices and check_every_steps, where given, replace its fields. Defaults: watch
+        the metadata service of the cloud found (EC2, GCP or Azure) for spot notices;
+        poll every 5 s; vote as often as keeps the vote near 1% of the steps' time while
+        a notice is acted on within about a second.
     threads: torch threads per process; default this machine's cores / local workers.
     seed: seeds torch and random the same on every rank (the same initial weights);
         after ``wrap`` every rank gets its own stream.
@@ -133,7 +137,7 @@ def init(*, engine: str | EngineOptions = "ddp", backend: str | None = None,
         where = (checkpoint or CheckpointOptions()).replaced(
             "checkpoint", dir=checkpoint_dir, uri=checkpoint_uri, keep=keep)
         notices = (preemption or PreemptionOptions()).replaced(
-            "preemption", imds=imds, check_every_steps=check_every_steps)
+            "preemption", notices=notices, check_every_steps=check_every_steps)
         if problems := where.problems() + notices.problems():
             raise ConfigError("; ".join(problems))
         require_one_of("device", device, Device)
@@ -150,7 +154,7 @@ def init(*, engine: str | EngineOptions = "ddp", backend: str | None = None,
     _announce(launch.rank)
     runtime.set_threads(threads, launch.local_world_size)
     runtime.seed_all(seed)
-    return Job(launch, options, torch_device, run_dir, checkpoints, notices, seed)
+    return Job(launch, options, torch_device, run_dir, checkpoints, notices, seed, where)
 
 
 def _announce(rank: int) -> None:
@@ -170,16 +174,19 @@ class Job:
     checked its input; its arguments are init's, checked and resolved: the ``launch``
     (spotring.runtime.detect), the ``engine``'s options, the torch ``device``, the
     ``run_dir``, the ``checkpoints`` (CheckpointOptions.open), the ``preemption``
-    options and the ``seed``.
+    options, the ``seed``, and ``checkpointing``, the CheckpointOptions the checkpoints
+    were opened with (background, sharded).
 
     rank, world_size, local_rank, device: this process's place in the job; is_main: rank
     0, the one process that writes files; options: the engine's options; engine: the
     spotring engine averaging the gradients; precision: ``wrap``'s, as resolved ("fp32",
-    "bf16" or "fp16"); run_dir, checkpoints: where rank 0 writes."""
+    "bf16" or "fp16"); run_dir: where rank 0 writes; checkpoints: where every rank writes
+    its part of each checkpoint."""
 
     def __init__(self, launch: runtime.Launch, engine: EngineOptions, device: torch.device,
                  run_dir: Path, checkpoints: Checkpoints, preemption: PreemptionOptions,
-                 seed: int) -> None:
+                 seed: int, checkpointing: CheckpointOptions | None = None) -> None:
+        checkpointing = checkpointing or CheckpointOptions()
         self.launch, self.run_dir, self.checkpoints = launch, run_dir, checkpoints
         self.seed, self.options = seed, engine
         self.engine = engines.create(engine, launch, device)
@@ -188,7 +195,9 @@ class Job:
         self.preemption = Preemption(preemption, self.engine, self.local_rank)
         self.scaler = torch.amp.GradScaler(device.type, enabled=False)
         self.precision = "fp32"
-        self._state = State(checkpoints, self.engine, seed)
+        self.background_saves = checkpointing.background
+        self._state = State(checkpoints, self.engine, seed, checkpointing.sharded,
+                            lambda: self.preemption.notice_seconds)
         self._loader: DataLoader | None = None
         self._model: nn.Module | None = None  # the wrapped model, for no_sync
         self._started = time.perf_counter()
@@ -239,41 +248,53 @@ class Job:
         self._loader = loader
         return loader
 
-    def wrap(self, model: nn.Module, optimizer: Optimizer, *, precision: str = "fp32",
-             channels_last: bool = False, compile: bool = False,
+    def wrap(self, model: nn.Module, optimizer: Optimizer | engines.OptimizerFactory, *,
+             precision: str = "fp32", channels_last: bool = False, compile: bool = False,
              accumulation: int | None = None) -> tuple[nn.Module, Optimizer]:
         """The model on this rank's device, every rank starting from rank 0's weights and
         optimizer state, gradients averaged over all ranks: DDP (buckets overlapping
-        backward) or Horovod's DistributedOptimizer. Returns (model, optimizer) to use
-        from now on; one process alone gets both back unwrapped.
+        backward), FSDP (each rank holding a shard of the parameters, gradients and
+        optimizer state) or Horovod's DistributedOptimizer. Returns (model, optimizer) to
+        use from now on; one process alone gets both back unwrapped, except under fsdp,
+        which shards alone too (a group of one).
 
-        model, optimizer: the optimizer built over the model's parameters.
+        model: the network. Under fsdp it is sharded in place: its parameters become
+            DTensors (``p.full_tensor()`` is the whole of one), and it is still itself
+            (``unwrap`` returns it).
+        optimizer: built over the model's parameters, without state yet (under fsdp it is
+            pointed at the sharded parameters in place, so a scheduler built on it stays
+            valid); or a function that builds it from the parameters it is to step, for
+            any engine: ``job.wrap(model, lambda params: torch.optim.AdamW(params,
+            lr=1e-3))``.
         precision: "fp32"; "bf16" or "fp16" (the forward pass under ``autocast()``; fp16
             with a gradient scaler, which ``backward`` and ``step`` apply); "auto": bf16
             where the device computes it natively, else fp32 (always fp32 for a float64
-            model).
+            model). Under fsdp, bf16 also gathers the parameters and reduces the
+            gradients in bfloat16 (the shards and the optimizer stay float32), and fp16 is
+            refused.
         channels_last: the model in NHWC memory order (convolutions on GPUs).
         compile: torch.compile the model before the engine wraps it; ConfigError where
             torch.compile cannot run here, or the engine's options cannot go with it.
         accumulation: micro-batches per optimizer step; default the loader's.
         """
         require_one_of("precision", precision, Precision)
-        if compile:
-            why = runtime.compile_unavailable(self.device)
-            problems = [f"compile=True: {why}"] if why else []
-            if problems := problems + self.options.problems(compile=True):
-                raise ConfigError("; ".join(problems))
         dtype = next(model.parameters(), torch.empty(0)).dtype
         self.precision = runtime.pick_precision(precision, self.device,
                                                 str(dtype).removeprefix("torch."))
+        why = runtime.compile_unavailable(self.device) if compile else None
+        problems = [f"compile=True: {why}"] if why else []
+        if problems := problems + self.options.problems(compile=compile,
+                                                        precision=self.precision):
+            raise ConfigError("; ".join(problems))
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         model = model.to(self.device)
         if channels_last and not self.engine.contiguous_only:
             model = model.to(memory_format=torch.channels_last)
         if compile:
             model = torch.compile(model)
-        k = accumulation or (self._loader.accumulation if self._loader else 1)
-        model, optimizer = self.engine.prepare(model, optimizer, k)
+        # A loader's truth is its length: an epoch handed out is False.
+        k = accumulation or (self._loader.accumulation if self._loader is not None else 1)
+        model, optimizer = self.engine.prepare(model, optimizer, k, precision=self.precision)
         # From here on every rank draws its own random numbers (dropout, augmentation).
         runtime.seed_all(hash((self.seed, self.rank)))
         self._model = model
@@ -306,7 +327,7 @@ class Job:
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward() for one micro-batch's ``loss``, divided by the accumulation (the
         step averages over the whole global batch) and scaled for fp16."""
-        k = self._loader.accumulation if self._loader else 1
+        k = self._loader.accumulation if self._loader is not None else 1
         self.scaler.scale(loss * (self.engine.loss_scale / k)).backward()
 
     def step(self, optimizer: Optimizer) -> bool:
@@ -369,31 +390,41 @@ class Job:
         """Where the checkpoint ``restore`` loaded was; None on a fresh start."""
         return self._state.resumed_from
 
-    def save(self) -> str:
-        """Checkpoint the tracked state (every rank calls it; rank 0 writes): complete and
-        read back on disk and S3 before it returns, the oldest beyond ``keep`` dropped.
-        Returns where rank 0 wrote it. Raises Diverged where a tracked model's weights
-        are not finite: never a checkpoint to resume a diverged run from."""
-        saved = self._state.save(self.scaler)
-        return saved.location if saved else "(written by rank 0)"
+    def save(self, background: bool | None = None) -> int:
+        """Checkpoint the tracked state (every rank calls it; every rank writes its part,
+        spotring/state.py): read back on disk and S3 and published by its manifest, the
+        oldest beyond ``keep`` dropped. Returns its step. Raises Diverged where a tracked
+        model's weights are not finite: never a checkpoint to resume a diverged run from.
+
+        background: return once the state is copied to CPU memory, and write while
+            training goes on (a save in flight is waited for first); default
+            CheckpointOptions.background. False: complete before it returns."""
+        self._state.save(self.scaler, self.background_saves if background is None
+                         else background)
+        return self.step_count
 
     def restore(self, source: str | Checkpoint | None = "auto") -> int | None:
         """Load a checkpoint into the tracked objects, on any world size; returns its step,
-        or None where there is none (a fresh start). Every rank calls it; rank 0 reads and
-        verifies, the others get its copy.
+        or None where there is none (a fresh start). Every rank calls it, checks its share
+        of the parts against the manifest (a checkpoint with a part missing, short or
+        corrupt is skipped for the one before, naming the part) and reads the pieces its
+        own tensors hold, whatever the world size and engine that wrote it.
 
         source (rank 0's counts): "auto", the newest valid checkpoint of the checkpoint
         directory and uri; "never", none (ConfigError where checkpoints exist, which new
-        ones would mix with); the path of a .pt; or a Checkpoint already found (None:
-        none)."""
+        ones would mix with); the path of a manifest (ckpt-N.json), of a checkpoint's
+        folder, or of a single-file checkpoint's .pt (older spotring); or a Checkpoint
+        already found (None: none)."""
         return self._state.restore(source, self.scaler)
 
     # ---------------------------------------------------------------------------- stop
 
     def should_stop(self) -> bool:
-        """True on every rank at the same step once any rank saw SIGTERM, SIGUSR1 or the
-        EC2 spot notice (a collective: every rank calls it once per optimizer step). A
-        rebalance recommendation checkpoints here and goes on."""
+        """True on every rank at the same step once any rank saw SIGTERM, SIGUSR1 or a
+        spot notice (a collective: every rank calls it once per optimizer step; the ranks
+        vote every PreemptionOptions.check_every_steps, by default as often as keeps the
+        vote near 1% of the steps' time). An EC2 rebalance recommendation checkpoints
+        here and goes on."""
         self._state.steps += 1
         decision = self.preemption.decide()
         if decision.checkpoint and self.saved_step != self.step_count:
@@ -406,12 +437,14 @@ class Job:
         with the notice budget's times, and exit 75: run the same command again to
         continue."""
         if self.saved_step != self.step_count:
-            self.save()
+            self.save(background=False)
+        self._state.wait()  # this step's checkpoint, begun in the background: finish it
         reason = self._stop_reason or "stop requested"
         saved = self._state.saved
         if self.is_main:
             timing = notice_budget(saved, self.checkpoints, reason, self.step_count,
-                                   self.preemption.noticed_at or time.time())
+                                   self.preemption.noticed_at or time.time(),
+                                   notice_seconds=self.preemption.notice_seconds)
             write_atomic(self.run_dir / PREEMPTED, json.dumps(
                 {"reason": reason, "step": self.step_count,
                  "checkpoint": saved.location, **timing}).encode())
@@ -468,6 +501,7 @@ class Job:
         if self._closed:
             return
         self._closed = True
+        self._state.wait()
         self.preemption.close()
         if self._telemetry is not None:
             self._telemetry.close()

@@ -2,9 +2,9 @@
 reported.
 
     EngineOptions       name, backend, timeout_s; each engine's own class adds its options
-                        (spotring/engines/: DDPOptions, HorovodOptions)
-    CheckpointOptions   dir, uri, keep: where checkpoints go
-    PreemptionOptions   imds, poll_seconds, check_every_steps: spot notices and their vote
+                        (spotring/engines/: DDPOptions, FSDPOptions, HorovodOptions)
+    CheckpointOptions   dir, uri, keep, background, sharded: where checkpoints go, how
+    PreemptionOptions   notices, poll_seconds, check_every_steps: spot notices and their vote
 
 Each is a dataclass that states its fields, their types and defaults once: spotring.init
 builds them from its keywords or takes them as they are, and the built-in trainer's Hydra
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from spotring import contract
+from spotring import contract, metadata
 from spotring.exits import ConfigError
 
 if TYPE_CHECKING:
@@ -82,6 +82,7 @@ def positive(prefix: str = "", **values: float | None) -> list[str]:
 Backend = choices("Backend", "auto nccl gloo mpi")
 Device = choices("Device", "auto cpu cuda")
 Precision = choices("Precision", "auto fp32 bf16 fp16")
+Notices = choices("Notices", " ".join(["auto", *metadata.SOURCES, "none"]))
 
 
 class Options:
@@ -138,10 +139,11 @@ class EngineOptions(Options):
     backend: Backend = Backend.auto
     timeout_s: float = 300.0
 
-    def problems(self, prefix: str = "", *, compile: bool = False) -> list[str]:
+    def problems(self, prefix: str = "", *, compile: bool = False,
+                 precision: str = "fp32") -> list[str]:
         """What is wrong with these values, one line each, every key after ``prefix``;
-        ``compile``: the model will be torch.compiled, which some engines' options cannot
-        go with."""
+        ``compile``: the model will be torch.compiled, ``precision``: it will train at this
+        precision (auto, fp32, bf16, fp16), either of which some engines cannot go with."""
         return super().problems(prefix) + positive(prefix, timeout_s=self.timeout_s)
 
 
@@ -154,11 +156,21 @@ class CheckpointOptions(Options):
         resumes after the old one vanished); default $SPOTRING_CHECKPOINT_URI, which
         spotring's launchers set (spotring/contract.py), else none.
     keep: checkpoints kept in each store; older ones are deleted.
+    background: a periodic save (spotring.Job.save) returns once the state is copied to
+        CPU memory and is written, uploaded and verified while training goes on (at most
+        one in flight); the save on a notice is always written at once. False: every save
+        is complete before it returns.
+    sharded: every rank writes its part of each checkpoint and reads back what it needs
+        (spotring/state.py). Default (None): where every rank can read every part, that
+        is on one host or with a uri; else rank 0 gathers the state and writes it alone.
+        False: rank 0 alone, always.
     """
 
     dir: str | None = None
     uri: str | None = None
     keep: int = 3
+    background: bool = True
+    sharded: bool | None = None
 
     def problems(self, prefix: str = "") -> list[str]:
         """Options.problems (keys after ``prefix``), and keep's and uri's."""
@@ -185,18 +197,23 @@ def _is_s3(uri: str) -> bool:
 class PreemptionOptions(Options):
     """How the job watches for spot notices and agrees on them (spotring/preemption.py).
 
-    imds: local rank 0 of each node polls EC2's instance metadata service for a spot
-        interruption notice or a rebalance recommendation (off EC2 it gives up within
-        seconds; SIGTERM and SIGUSR1 stop the job either way).
+    notices: whose spot notices local rank 0 of each node polls for (spotring/metadata.py).
+        auto: whichever of EC2's, GCP's and Azure's metadata services answers (off every
+        cloud the watcher gives up within seconds); ec2: an interruption notice or a
+        rebalance recommendation (a checkpoint, and the job goes on); gcp: the preempted
+        flag of a spot or preemptible VM; azure: a Preempt scheduled event; none: no
+        polling. SIGTERM and SIGUSR1 stop the job whichever it is.
     poll_seconds: between two polls of the metadata service.
     check_every_steps: optimizer steps between the ranks' votes on a stop (one tiny
-        allreduce each, about 1 ms on Gloo: a few percent of a fast CPU step, nothing
-        beside a GPU step).
+        allreduce each, about 1 ms on Gloo). None, the default: as many as keep the votes
+        near 1% of the steps' time but span at most about a second, from the step time
+        and the vote's cost as the job measures them, and the same on every rank. A
+        notice is acted on within that interval and one step.
     """
 
-    imds: bool = True
+    notices: Notices = Notices.auto
     poll_seconds: float = 5.0
-    check_every_steps: int = 1
+    check_every_steps: int | None = None
 
     def problems(self, prefix: str = "") -> list[str]:
         """Options.problems (keys after ``prefix``), and the ranges of the numbers."""

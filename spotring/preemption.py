@@ -1,25 +1,35 @@
 """Spot interruption notices: watch for them, and agree on them at a step boundary.
 
-EC2 takes a spot instance back with a two-minute notice, published by the instance
-metadata service (IMDSv2), and at the end the OS sends SIGTERM. Every rank:
+A cloud takes a spot instance back with a notice, published by its instance metadata
+service (EC2: two minutes ahead; GCP and Azure: 30 seconds), and at the end the OS sends
+SIGTERM. Every rank:
 
     catches SIGTERM (the notice of last resort, and how launchers stop their workers)
         and SIGUSR1 (a warning only: SLURM's --signal=USR1@S before the time limit);
-    on local rank 0 of each node, a thread polls the instance metadata service
-        (spotring/metadata.py) every poll_seconds (PreemptionOptions): a spot notice
-        stops the job, a rebalance recommendation (the risk went up) checkpoints now
+    on local rank 0 of each node, a thread finds which cloud's metadata service answers
+        (spotring/metadata.py; PreemptionOptions.notices) and polls it every
+        poll_seconds: a spot notice stops the job, EC2's rebalance recommendation (the
+        risk went up) checkpoints now
 
-and at every step boundary the ranks add up their votes in one small allreduce, so all
-of them see the same answer at the same step (the sum of the votes of the step before,
-so that the allreduce overlaps a step's computation). On "stop", rank 0 writes a checkpoint
-at once and the job exits with code 75 (preempted); the launcher replaces the node and
-resumes. Off EC2 the first requests fail within a second each and the
-thread stops polling after three of them; SIGTERM still works.
+and every few steps the ranks add up their votes in one small allreduce, so all of them
+see the same answer at the same step. The sum is read one step after it is sent, so that
+the allreduce overlaps that step's computation. On "stop", rank 0 writes a checkpoint at
+once and the job exits with code 75 (preempted); the launcher replaces the node and
+resumes. Off every cloud the first probes fail within a second each and the thread
+stops after three of them; SIGTERM still works.
+
+How often the ranks vote (PreemptionOptions.check_every_steps; by default automatic):
+each vote carries every rank's proposal of the interval, from its own measures of the
+step time and the vote's cost (``vote_interval``), and every rank takes the floor of
+the proposals' mean from the same sum: the ranks cannot disagree on the steps they vote
+at. A proposal is at most twice the interval in force, so that the interval grows from
+one vote per step as the measures come in (the first steps, warming up, are no guide).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
@@ -31,19 +41,32 @@ import torch
 from spotring import metadata
 from spotring.checkpoint import Checkpoints, Saved
 from spotring.engines import Engine
-from spotring.metadata import Metadata
 from spotring.options import PreemptionOptions
 
 log = logging.getLogger(__name__)
 
-NOTICE_SECONDS = 120  # EC2's spot interruption notice: the instance goes this long after it
+# The window assumed until a metadata service is found, or where none is (SIGTERM alone):
+# EC2's, where spotring launch runs jobs.
+NOTICE_SECONDS = metadata.EC2.notice_seconds
 # Signals that stop the run as a spot notice does: SIGTERM from the OS and launchers,
 # SIGUSR1 from schedulers asked for a warning that is not also their kill signal.
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-_PROBES = 3  # first requests before deciding there is no metadata service
+_PROBES = 3  # first rounds of requests before deciding there is no metadata service
 # How long close() waits for the watcher: a poll in flight is up to three requests
-# (token, notice, rebalance) of Metadata's 1 s timeout.
+# (EC2: token, notice, rebalance) of a Source's 1 s timeout.
 _CLOSE_SECONDS = 3.5
+VOTE_BUDGET = 0.01  # the share of the steps' time the automatic interval lets votes take
+VOTE_SPAN_SECONDS = 1.0  # the most steps' time between two automatic votes
+
+
+def vote_interval(step_seconds: float, vote_seconds: float) -> int:
+    """The steps between two votes that keep a vote costing ``vote_seconds`` near
+    VOTE_BUDGET of the time of steps of ``step_seconds`` each, but span no more than
+    VOTE_SPAN_SECONDS of them (a notice waits that long for the next vote); at least 1."""
+    step_seconds = max(step_seconds, 1e-9)  # two calls within the clock's resolution
+    for_cost = math.ceil(vote_seconds / (VOTE_BUDGET * step_seconds))
+    for_span = math.floor(VOTE_SPAN_SECONDS / step_seconds)
+    return max(1, min(for_cost, for_span))
 
 
 @dataclass
@@ -54,11 +77,19 @@ class Decision:
 
 class Preemption:
     """This rank's watcher (``options``: spotring.PreemptionOptions), and the
-    step-boundary vote of all ranks over ``engine``."""
+    step-boundary vote of all ranks over ``engine``.
+
+    source: the metadata service this rank's watcher found (local rank 0 of each node),
+        or None (none yet, none answers, or this rank does not watch).
+    interval: the steps between two votes now, the same on every rank.
+    """
 
     def __init__(self, options: PreemptionOptions, engine: Engine, local_rank: int) -> None:
         self.options, self.engine = options, engine
+        self.source: metadata.Source | None = None
+        self.interval = options.check_every_steps or 1
         self._stop: str | None = None
+        self._decided: Decision | None = None  # a stop, once agreed: it is never undone
         # time.time() when a stop first reached this rank: its own notice or signal, or
         # else the vote of another rank (rank 0's goes into preempted.json).
         self.noticed_at: float | None = None
@@ -66,14 +97,27 @@ class Preemption:
         self._rebalance_handled = False
         self._closed = threading.Event()
         self._steps = 0
-        self._pending: Callable[[], torch.Tensor] | None = None  # the last votes sent
+        self._next_vote = self.interval
+        # The votes in flight (read at the next call), and the step and perf_counter()
+        # they were sent at; the seconds the last vote cost (sending it and waiting for
+        # its sum), which the next proposal weighs.
+        self._pending: Callable[[], torch.Tensor] | None = None
+        self._sent: tuple[int, float] | None = None
+        self._vote_seconds = 0.0
         self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
         self._thread: threading.Thread | None = None
-        if options.imds and local_rank == 0:
-            self._thread = threading.Thread(target=self._watch,
-                                            args=(Metadata(metadata.endpoint()),),
+        candidates = metadata.sources(options.notices)
+        if candidates and local_rank == 0:
+            self._thread = threading.Thread(target=self._watch, args=(candidates,),
                                             name="spot-notice-watcher", daemon=True)
             self._thread.start()
+
+    @property
+    def notice_seconds(self) -> int:
+        """Seconds between a spot notice and the end of the instance, by the cloud whose
+        metadata service this rank's watcher found (EC2 120, GCP 30, Azure 30), or
+        NOTICE_SECONDS (EC2's) where it found none (yet) or does not watch."""
+        return self.source.notice_seconds if self.source is not None else NOTICE_SECONDS
 
     def _on_signal(self, signum, frame) -> None:
         # Only set a flag: the step in progress finishes, then every rank agrees.
@@ -86,57 +130,95 @@ class Preemption:
             self.noticed_at = self.noticed_at or time.time()
             self._stop = reason
 
-    def _watch(self, source: Metadata) -> None:
-        for probe in range(_PROBES):  # a busy new instance may miss one; off EC2 all fail
-            try:
-                source.get(metadata.SPOT_NOTICE)
+    def _find(self, candidates: list[metadata.Source]) -> metadata.Source | None:
+        """The service among ``candidates`` that answers, over up to _PROBES rounds (a
+        busy new instance may miss one; off every cloud all fail)."""
+        for probe in range(_PROBES):
+            if (found := metadata.detect(candidates)) is not None:
+                return found
+            if probe == _PROBES - 1 or self._closed.wait(self.options.poll_seconds):
                 break
-            except (OSError, ValueError) as e:
-                if probe == _PROBES - 1 or self._closed.wait(self.options.poll_seconds):
-                    log.debug("no instance metadata service at %s (%s): not watching for "
-                              "spot notices", source.endpoint, e)
-                    return
-        log.info("watching %s for spot interruption notices every %g s",
-                 source.endpoint, self.options.poll_seconds)
-        while not self._closed.wait(self.options.poll_seconds):
+        log.debug("no instance metadata service answers (%s): not watching for spot "
+                  "notices", ", ".join(f"{c.cloud} at {c.endpoint}" for c in candidates))
+        return None
+
+    def _watch(self, candidates: list[metadata.Source]) -> None:
+        source = self.source = self._find(candidates)
+        if source is None:
+            return
+        log.info("watching %s's metadata service at %s for spot notices every %g s",
+                 source.cloud, source.endpoint, self.options.poll_seconds)
+        while True:
             try:
-                action = source.get(metadata.SPOT_NOTICE)
-                if action is not None:
-                    notice = f"spot {action.get('action', 'interruption')} notice " \
-                             f"for {action.get('time', 'soon')}"
+                notice = source.notice()
+                if notice is not None:
                     self._notice(notice)
                     log.warning("%s", notice)
                     return
-                if not self._rebalance.is_set() and source.get(
-                        metadata.REBALANCE) is not None:
-                    log.warning("rebalance recommendation: checkpointing now")
+                if not self._rebalance.is_set() and source.rebalance():
+                    log.warning("%s rebalance recommendation: checkpointing now",
+                                source.cloud)
                     self._rebalance.set()
             except (OSError, ValueError) as e:  # a hiccup; the next poll may work
-                log.debug("instance metadata poll failed: %s", e)
+                log.debug("%s metadata poll failed: %s", source.cloud, e)
+            if self._closed.wait(self.options.poll_seconds):
+                return
 
     def decide(self) -> Decision:
-        """Every rank's notices, added up: the same answer on all ranks (a collective).
-        Runs every check_every_steps steps; a decision is never undone.
+        """Every rank's notices, added up: the same answer on all ranks (a collective,
+        called once per optimizer step by every rank). A stop, once agreed, is never
+        undone.
 
-        Each call sends this rank's votes and answers with the sum of the votes sent by
-        the call before: the small allreduce runs while the next step computes instead
-        of stopping every step for it (a step late is nothing against a two-minute
-        notice). The first call only sends."""
+        The votes are sent every ``interval`` steps and their sum is read by the call
+        after, so that the small allreduce runs while that step computes; a notice is
+        acted on at most ``interval`` + 1 steps after it reached a rank."""
+        if self._decided is not None:
+            return self._decided
         self._steps += 1
-        if self._steps % self.options.check_every_steps:
-            return Decision(None, False)
+        decision = self._read() if self._pending is not None else Decision(None, False)
+        if self._steps == self._next_vote and decision.stop is None:
+            self._send()
+        if decision.stop is not None:
+            self._decided = decision
+        return decision
+
+    def _send(self) -> None:
+        """Start the sum of this rank's votes: stop, rebalance, its proposed interval."""
+        now = time.perf_counter()
         rebalance = self._rebalance.is_set() and not self._rebalance_handled
         self._rebalance_handled |= rebalance  # voted once; answered with the next call
-        votes = torch.tensor([self._stop is not None, rebalance], dtype=torch.float32,
-                             device=self.engine.device)
-        # The sum sent last time first: Horovod allows one tensor of a name in flight.
-        previous = self._pending() if self._pending is not None else None
+        votes = torch.tensor([self._stop is not None, rebalance, self._proposal(now)],
+                             dtype=torch.float64, device=self.engine.device)
         self._pending = self.engine.start_sum(votes, "preemption")
-        if previous is None:
-            return Decision(None, False)
-        stop_votes, rebalance_votes = previous.tolist()
+        self._vote_seconds = time.perf_counter() - now
+        self._sent = (self._steps, now)
+
+    def _proposal(self, now: float) -> int:
+        """This rank's interval for after the vote it sends ``now``: check_every_steps
+        where set; else ``vote_interval`` of the steps since the last vote and of its
+        cost, at most twice the interval in force (1 at the first vote)."""
+        if self.options.check_every_steps is not None:
+            return self.options.check_every_steps
+        if self._sent is None:
+            return 1
+        step_seconds = (now - self._sent[1]) / (self._steps - self._sent[0])
+        return min(vote_interval(step_seconds, self._vote_seconds), 2 * self.interval)
+
+    def _read(self) -> Decision:
+        """The sum of the votes sent by the call before, and the interval it sets: the
+        floor of the proposals' mean, exact in float64, so the same on every rank."""
+        started = time.perf_counter()
+        stop_votes, rebalance_votes, proposals = self._pending().tolist()
+        self._vote_seconds += time.perf_counter() - started
+        self._pending = None
+        interval = max(1, int(proposals) // self.engine.world_size)
+        if interval != self.interval:
+            log.debug("the ranks vote every %d steps now", interval)
+        self.interval = interval
+        self._next_vote = self._sent[0] + interval
         if stop_votes > 0:
             self.noticed_at = self.noticed_at or time.time()
+            log.info("the ranks agreed to stop (votes every %d steps)", interval)
             return Decision(self._stop or "another rank received a notice", False)
         if rebalance_votes > 0:
             self._rebalance_handled = True  # one checkpoint, whichever rank saw it first
@@ -165,9 +247,11 @@ class Preemption:
 
 
 def notice_budget(saved: Saved, checkpoints: Checkpoints, reason: str, step: int,
-                  noticed_at: float) -> dict[str, float]:
+                  noticed_at: float, notice_seconds: int = NOTICE_SECONDS
+                  ) -> dict[str, float]:
     """Rank 0: how long the checkpoint a run stops with took after the notice (or signal)
-    reached this process, against EC2's NOTICE_SECONDS. Logs one line and returns
+    reached this process, against the cloud's ``notice_seconds`` (Preemption's). Logs one
+    line and returns
     preempted.json's fields (epoch seconds; noticed_at <= local_saved_at <= saved_at, a
     time clamped to noticed_at where that checkpoint was already written when the notice
     came):
@@ -185,9 +269,9 @@ def notice_budget(saved: Saved, checkpoints: Checkpoints, reason: str, step: int
                    "upload_bytes": saved.bytes}
     spent = fields["saved_at"] - noticed_at
     # Past the notice the instance is gone, and so is a checkpoint not yet uploaded.
-    log.log(logging.INFO if spent <= NOTICE_SECONDS else logging.WARNING,
+    log.log(logging.INFO if spent <= notice_seconds else logging.WARNING,
             "notice budget (%s): checkpoint of step %d, %s; notice to the local copy "
-            "%.2f s, to every store and read back %.2f s: %.2f s left of EC2's %d s",
+            "%.2f s, to every store and read back %.2f s: %.2f s left of a %d s notice",
             reason, step, saved.describe(), fields["local_saved_at"] - noticed_at, spent,
-            NOTICE_SECONDS - spent, NOTICE_SECONDS)
+            notice_seconds - spent, notice_seconds)
     return fields

@@ -1,11 +1,13 @@
 """Where checkpoint files live: a local directory, and optionally S3.
 
-Both stores make each object complete-or-invisible on its own: the directory writes
-a temporary file and renames it; S3 shows an object only once its (multipart) upload
-completed, so an upload cut off midway leaves nothing a reader can list. Ordering the
-writes (checkpoint first, manifest last; see checkpoint.py) makes a whole checkpoint
-complete-or-invisible on top of that. The temporary file of a writer killed mid-write
-stays until the directory's next completed write removes it (DirectoryStore.write).
+Both stores hold objects by name, a name being a file of the top level or one inside a
+checkpoint's folder ("ckpt-000001200/__0_0.distcp"). S3 shows an object only once its
+(multipart) upload completed, so an upload cut off midway leaves nothing a reader can
+list; the directory's small objects are written to a temporary file and renamed. Ordering
+the writes (every part first, the manifest last; see checkpoint.py) makes a whole
+checkpoint complete-or-invisible on top of that. The temporary file of a writer killed
+mid-write stays until the directory's next completed write removes it
+(DirectoryStore.write), and parts no manifest lists go with the next completed save.
 
     checkpoint.dir=PATH                     always: rank 0's local copies
     checkpoint.uri=s3://bucket/prefix       also: every checkpoint uploaded, so a new
@@ -19,6 +21,7 @@ moto server on 127.0.0.1).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import os
 import re
@@ -30,6 +33,8 @@ from spotring.exits import ConfigError
 
 # Large checkpoints go up in parts of this size, several at a time.
 PART_BYTES = 16 * 1024 * 1024
+# Read in chunks of this size to hash an object.
+_CHUNK_BYTES = 4 * 1024 * 1024
 # write_atomic's temporary files, beside their object: ".NAME.PID.HEX.tmp".
 _TEMPORARY = re.compile(r"^\..+\.\d+\.[0-9a-f]{8}\.tmp$")
 
@@ -40,15 +45,34 @@ class DirectoryStore:
         self.where = str(self.path)
 
     def names(self) -> list[str]:
+        """The objects: the top level's files, and the files inside its folders (a
+        checkpoint's parts, dot files such as DCP's .metadata included) as FOLDER/FILE;
+        the top level's dot files (temporary files) are not objects."""
         if not self.path.is_dir():
             return []
-        return [p.name for p in self.path.iterdir() if not p.name.startswith(".")]
+        found = []
+        for entry in self.path.iterdir():
+            if entry.name.startswith("."):
+                continue
+            if entry.is_dir():
+                found += [f"{entry.name}/{f.name}" for f in entry.iterdir() if f.is_file()]
+            else:
+                found.append(entry.name)
+        return found
 
     def read(self, name: str) -> bytes:
         return (self.path / name).read_bytes()
 
     def size(self, name: str) -> int:
         return (self.path / name).stat().st_size
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """The size of each object whose name starts with ``prefix``."""
+        return {name: self.size(name) for name in self.names() if name.startswith(prefix)}
+
+    def sha256(self, name: str) -> str:
+        with open(self.path / name, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
 
     def write(self, name: str, data: bytes) -> None:
         """Write ``name`` whole (write_atomic), then remove the temporary files of writes
@@ -78,7 +102,14 @@ class DirectoryStore:
                         path.unlink()
 
     def delete(self, name: str) -> None:
-        (self.path / name).unlink(missing_ok=True)
+        """Remove object ``name``, and its folder once that is empty. Several processes
+        may clean one directory at once (the ranks of one host): what another removed
+        first is not an error."""
+        path = self.path / name
+        path.unlink(missing_ok=True)
+        if path.parent != self.path:
+            with contextlib.suppress(OSError):  # not empty, or gone already
+                path.parent.rmdir()
 
     def location(self, name: str) -> str:
         return str(self.path / name)
@@ -117,10 +148,15 @@ class S3Store:
                 "instance profile) and AWS_ENDPOINT_URL if you use another endpoint.") from e
 
     def names(self) -> list[str]:
+        return list(self.sizes(""))
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """The size of each object whose name starts with ``prefix``: one listing."""
         pages = self.client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.bucket, Prefix=self._key(""))
+            Bucket=self.bucket, Prefix=self._key(prefix))
         start = len(self._key(""))
-        return [obj["Key"][start:] for page in pages for obj in page.get("Contents", [])]
+        return {obj["Key"][start:]: obj["Size"]
+                for page in pages for obj in page.get("Contents", [])}
 
     def read(self, name: str) -> bytes:
         return self.client.get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read()
@@ -129,10 +165,30 @@ class S3Store:
         """The stored object's length, asked of S3 without reading the object."""
         return self.client.head_object(Bucket=self.bucket, Key=self._key(name))["ContentLength"]
 
+    def sha256(self, name: str) -> str:
+        """The object's sha256, read as a stream (never whole in memory)."""
+        digest = hashlib.sha256()
+        body = self.client.get_object(Bucket=self.bucket, Key=self._key(name))["Body"]
+        for chunk in body.iter_chunks(_CHUNK_BYTES):
+            digest.update(chunk)
+        return digest.hexdigest()
+
+    def read_range(self, name: str, start: int, length: int) -> bytes:
+        """``length`` bytes of the object from ``start`` (fewer at its end)."""
+        if length <= 0:
+            return b""
+        return self.client.get_object(Bucket=self.bucket, Key=self._key(name),
+                                      Range=f"bytes={start}-{start + length - 1}")["Body"].read()
+
     def write(self, name: str, data: bytes | io.RawIOBase) -> None:
         body = io.BytesIO(data) if isinstance(data, bytes) else data
         # Multipart above PART_BYTES; a failed upload is aborted and never listed.
         self.client.upload_fileobj(body, self.bucket, self._key(name), Config=self.transfer)
+
+    def upload(self, name: str, path: Path) -> None:
+        """The file at ``path`` as object ``name``, in parts uploaded side by side."""
+        with open(path, "rb") as f:
+            self.write(name, f)
 
     def delete(self, name: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self._key(name))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from spotring.checkpoint import Checkpoint, Checkpoints
 from spotring.launch.commands import local_command, local_environment
 from spotring.trainer.config import compose
 
@@ -32,14 +33,19 @@ class Run:
     def summary(self) -> dict:
         return json.loads((self.dir / "summary.json").read_text())
 
-    def checkpoints(self) -> list[Path]:
-        return sorted((self.dir / "checkpoints").glob("ckpt-*.pt"))
+    def checkpoints(self) -> list[Checkpoint]:
+        """The checkpoints of the run's checkpoint directory whose manifests read, oldest
+        first (their parts not checked)."""
+        return Checkpoints(self.dir / "checkpoints", keep=1).found()[::-1]
 
     def params(self, step: int | None = None) -> dict[str, torch.Tensor]:
-        """The model of the checkpoint of ``step``, or of the newest one."""
-        path = self.checkpoints()[-1] if step is None else \
-            self.dir / "checkpoints" / f"ckpt-{step:09d}.pt"
-        return torch.load(path, weights_only=True)["model"]
+        """The model of the checkpoint of ``step``, or of the newest one, its parts
+        verified against its manifest first (CorruptCheckpoint where one differs)."""
+        found = {c.step: c for c in self.checkpoints()}
+        assert found, f"no checkpoint in {self.dir / 'checkpoints'}"
+        checkpoint = found[max(found) if step is None else step]
+        checkpoint.verify()
+        return checkpoint.load()["model"]
 
 
 def run_trainer(run_dir: Path, *overrides: str, launcher: str = "single", nproc: int = 1,

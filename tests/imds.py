@@ -1,10 +1,12 @@
-"""A loopback stand-in for the EC2 instance metadata service (IMDSv2).
+"""Loopback stand-ins for the clouds' instance metadata services: EC2's (IMDSv2), GCP's
+metadata server and Azure's Scheduled Events.
 
-Nothing real can serve 169.254.169.254 off EC2, so tests run this server and point the
-trainer at it with AWS_EC2_METADATA_SERVICE_ENDPOINT, as boto does. It answers what
-spotring/preemption.py asks, the way EC2 documents it: a token from PUT /latest/api/token,
-required on every GET (401 without it); 404 for spot/instance-action and for the
-rebalance recommendation until the test announces them.
+Nothing real serves 169.254.169.254 off a cloud, so tests run these servers and point
+spotring at them the way each cloud's own tools are pointed elsewhere:
+AWS_EC2_METADATA_SERVICE_ENDPOINT (boto), GCE_METADATA_HOST (Google's client libraries,
+host:port) and SPOTRING_AZURE_METADATA_ENDPOINT (spotring/metadata.py: Azure's SDKs name
+none). Each answers what spotring/metadata.py asks, the way its cloud documents it, with
+no notice until the test announces one; ``requests`` records what was asked.
 """
 
 from __future__ import annotations
@@ -12,71 +14,179 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
 
 TOKEN = "stub-imds-token"
 
 
-class MetadataStub:
-    def __init__(self, unavailable: int = 0,
-                 address: tuple[str, int] = ("127.0.0.1", 0)) -> None:
-        """``unavailable``: answer the first that many token requests 503, as a busy
-        new instance's metadata service may. ``address``: where to listen (port 0: any
-        free one)."""
-        self.unavailable = unavailable
-        self.instance_action: dict | None = None
-        self.rebalance: dict | None = None
-        self.requests: list[tuple[str, str, bool]] = []  # (method, path, had a token)
+def _soon(seconds_ahead: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + seconds_ahead))
+
+
+class _Stub:
+    """A threaded HTTP server on ``address`` (port 0: any free one) whose requests go to
+    ``answer(method, path, headers) -> (status, body, extra headers)``."""
+
+    variable: str  # what points spotring at it
+    requests: list
+
+    def __init__(self, address: tuple[str, int] = ("127.0.0.1", 0)) -> None:
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args) -> None:
                 pass
 
-            def _reply(self, code: int, body: bytes = b"") -> None:
+            def _handle(self) -> None:
+                code, body, headers = stub.answer(self.command, self.path, self.headers)
                 self.send_response(code)
-                self.send_header("Content-Length", str(len(body)))
+                for name, value in {"Content-Length": str(len(body)), **headers}.items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(body)
 
-            def do_PUT(self) -> None:
-                stub.requests.append(("PUT", self.path, False))
-                if stub.unavailable > 0:
-                    stub.unavailable -= 1
-                    self._reply(503)
-                elif self.path == "/latest/api/token" and self.headers.get(
-                        "X-aws-ec2-metadata-token-ttl-seconds"):
-                    self._reply(200, TOKEN.encode())
-                else:
-                    self._reply(400)
-
-            def do_GET(self) -> None:
-                authorised = self.headers.get("X-aws-ec2-metadata-token") == TOKEN
-                stub.requests.append(("GET", self.path, authorised))
-                if not authorised:
-                    return self._reply(401)
-                documents = {
-                    "/latest/meta-data/spot/instance-action": stub.instance_action,
-                    "/latest/meta-data/events/recommendations/rebalance": stub.rebalance,
-                }
-                document = documents.get(self.path)
-                if document is None:
-                    return self._reply(404)
-                self._reply(200, json.dumps(document).encode())
+            do_GET = do_PUT = _handle
 
         self.server = ThreadingHTTPServer(address, Handler)
-        self.url = "http://{}:{}".format(*self.server.server_address)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.host = "{}:{}".format(*self.server.server_address)
+        self.url = f"http://{self.host}"
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
 
-    def announce_interruption(self, seconds_ahead: int = 120) -> float:
-        """Publish a spot termination notice; returns when (time.monotonic())."""
-        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + seconds_ahead))
-        self.instance_action = {"action": "terminate", "time": when}
-        return time.monotonic()
+    def answer(self, method: str, path: str, headers) -> tuple[int, bytes, dict[str, str]]:
+        raise NotImplementedError
 
-    def recommend_rebalance(self) -> None:
-        self.rebalance = {"noticeTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    @property
+    def env(self) -> dict[str, str]:
+        """The variable that points spotring at this stub."""
+        return {self.variable: self.url}
 
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class MetadataStub(_Stub):
+    """EC2's: a token from PUT /latest/api/token, required on every GET (401 without
+    it); 404 for spot/instance-action and for the rebalance recommendation until the
+    test announces them."""
+
+    cloud, variable = "EC2", "AWS_EC2_METADATA_SERVICE_ENDPOINT"
+
+    def __init__(self, unavailable: int = 0,
+                 address: tuple[str, int] = ("127.0.0.1", 0)) -> None:
+        """``unavailable``: answer the first that many token requests 503, as a busy
+        new instance's metadata service may."""
+        self.unavailable = unavailable
+        self.instance_action: dict | None = None
+        self.rebalance: dict | None = None
+        self.requests: list[tuple[str, str, bool]] = []  # (method, path, had a token)
+        super().__init__(address)
+
+    def answer(self, method, path, headers):
+        if method == "PUT":
+            self.requests.append(("PUT", path, False))
+            if self.unavailable > 0:
+                self.unavailable -= 1
+                return 503, b"", {}
+            if path == "/latest/api/token" and headers.get(
+                    "X-aws-ec2-metadata-token-ttl-seconds"):
+                return 200, TOKEN.encode(), {}
+            return 400, b"", {}
+        authorised = headers.get("X-aws-ec2-metadata-token") == TOKEN
+        self.requests.append(("GET", path, authorised))
+        if not authorised:
+            return 401, b"", {}
+        document = {"/latest/meta-data/spot/instance-action": self.instance_action,
+                    "/latest/meta-data/events/recommendations/rebalance": self.rebalance,
+                    }.get(path)
+        if document is None:
+            return 404, b"", {}
+        return 200, json.dumps(document).encode(), {}
+
+    def announce_interruption(self, seconds_ahead: int = 120) -> float:
+        """Publish a spot termination notice; returns when (time.monotonic())."""
+        self.instance_action = {"action": "terminate", "time": _soon(seconds_ahead)}
+        return time.monotonic()
+
+    announce = announce_interruption  # as the other clouds' stubs name it
+
+    def recommend_rebalance(self) -> None:
+        self.rebalance = {"noticeTime": _soon(0)}
+
+
+class GCPStub(_Stub):
+    """GCP's metadata server: instance/preempted says "FALSE", then "TRUE" once the test
+    preempts the VM; a request without Metadata-Flavor: Google is refused (403), and
+    every answer carries that header."""
+
+    cloud, variable = "GCP", "GCE_METADATA_HOST"
+    PREEMPTED = "/computeMetadata/v1/instance/preempted"
+
+    def __init__(self) -> None:
+        self.preempted = False
+        self.requests: list[str] = []
+        super().__init__()
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {self.variable: self.host}  # host:port, no scheme, as Google's libraries
+
+    def answer(self, method, path, headers):
+        self.requests.append(path)
+        flavor = {"Metadata-Flavor": "Google"}
+        if headers.get("Metadata-Flavor") != "Google":
+            return 403, b"Missing Metadata-Flavor:Google header.", flavor
+        if urlsplit(path).path != self.PREEMPTED:
+            return 404, b"", flavor
+        return 200, b"TRUE" if self.preempted else b"FALSE", flavor
+
+    def announce(self) -> float:
+        """Preempt the VM; returns when (time.monotonic())."""
+        self.preempted = True
+        return time.monotonic()
+
+
+class AzureStub(_Stub):
+    """Azure's Instance Metadata Service, as far as Scheduled Events go: requests need
+    Metadata: true and an api-version (400 without); the VM's name at
+    instance/compute/name (format=text); scheduledevents lists the events the test
+    schedules, each raising DocumentIncarnation."""
+
+    cloud, variable = "Azure", "SPOTRING_AZURE_METADATA_ENDPOINT"
+    VM = "spot-vm_3"
+
+    def __init__(self) -> None:
+        self.incarnation = 1
+        self.events: list[dict] = []
+        self.requests: list[str] = []
+        super().__init__()
+
+    def answer(self, method, path, headers):
+        self.requests.append(path)
+        url = urlsplit(path)
+        if headers.get("Metadata") != "true" or "api-version" not in parse_qs(url.query):
+            return 400, json.dumps({"error": "Bad request"}).encode(), {}
+        if url.path == "/metadata/instance/compute/name":
+            return 200, self.VM.encode(), {"Content-Type": "text/plain"}
+        if url.path == "/metadata/scheduledevents":
+            document = {"DocumentIncarnation": self.incarnation, "Events": self.events}
+            return 200, json.dumps(document).encode(), {"Content-Type": "application/json"}
+        return 404, b"", {}
+
+    def schedule(self, kind: str, vm: str = VM, seconds_ahead: int = 30) -> float:
+        """An event of EventType ``kind`` ("Preempt", "Freeze", "Reboot"...) for ``vm``;
+        returns when (time.monotonic())."""
+        self.events.append({
+            "EventId": str(uuid.uuid4()).upper(), "EventType": kind,
+            "ResourceType": "VirtualMachine", "Resources": [vm], "EventStatus": "Scheduled",
+            "NotBefore": time.strftime("%a, %d %b %Y %H:%M:%S GMT",
+                                       time.gmtime(time.time() + seconds_ahead)),
+            "Description": "", "EventSource": "Platform", "DurationInSeconds": -1})
+        self.incarnation += 1
+        return time.monotonic()
+
+    def announce(self) -> float:
+        """This VM's eviction: a Preempt event; returns when (time.monotonic())."""
+        return self.schedule("Preempt")

@@ -21,6 +21,7 @@ from spotring.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, PREEMPTED
 from tests.conftest import REPO
 
 N, GLOBAL_BATCH = 40, 8
+QUIET = spotring.PreemptionOptions(notices="none")  # no metadata service to look for
 
 
 def dataset() -> TensorDataset:
@@ -29,7 +30,7 @@ def dataset() -> TensorDataset:
 
 
 def job(tmp_path, **options) -> spotring.Job:
-    return spotring.init(run_dir=tmp_path, imds=False, **options)
+    return spotring.init(run_dir=tmp_path, preemption=QUIET, **options)
 
 
 def steps(job: spotring.Job, model, optimizer, loader, count: int) -> list[int]:
@@ -142,7 +143,8 @@ def test_a_non_finite_loss_or_weights_is_a_divergence(tmp_path):
 
 SCRIPT = """
 import sys, spotring, torch
-with spotring.init(run_dir=sys.argv[1], imds=False) as job:
+with spotring.init(run_dir=sys.argv[1],
+                   preemption=spotring.PreemptionOptions(notices="none")) as job:
     job.loader(torch.utils.data.TensorDataset(torch.zeros(10, 1)), int(sys.argv[2]))
     if sys.argv[3] == "nan":
         job.check_finite(float("nan"))
@@ -170,7 +172,7 @@ def test_bad_options_exit_2_naming_the_value_and_the_valid_ones(tmp_path):
         [sys.executable, "-c", "import spotring; spotring.init(engine='deepspeed')"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == EXIT_CONFIG
-    assert "engine=deepspeed: unknown; valid: ddp, horovod" in proc.stderr
+    assert "engine=deepspeed: unknown; valid: ddp, fsdp, horovod" in proc.stderr
     assert not (tmp_path / "runs").exists()
 
 
@@ -217,7 +219,7 @@ def test_engine_options_come_as_an_object_or_as_keywords_over_it(tmp_path):
     ({"keep": 0, "check_every_steps": 0},
      "keep=0: must be positive; check_every_steps=0: must be positive"),
     ({"checkpoint_uri": "bucket/prefix"}, "uri=bucket/prefix: expected s3://bucket/prefix"),
-    ({"checkpoint": spotring.CheckpointOptions(keep=5), "imds": False, "poll_seconds": 1},
+    ({"checkpoint": spotring.CheckpointOptions(keep=5), "poll_seconds": 1},
      None),  # a TypeError: init has no such keyword (PreemptionOptions has)
 ])
 def test_an_option_the_engine_or_its_class_lacks_exits_2_naming_what_is_valid(
@@ -234,13 +236,14 @@ def test_checkpoint_and_preemption_options_as_objects(tmp_path, monkeypatch):
     monkeypatch.setenv("SPOTRING_CHECKPOINT_URI", "")  # no launcher's default here
     j = spotring.init(run_dir=tmp_path, keep=1,
                       checkpoint=spotring.CheckpointOptions(dir=str(tmp_path / "ckpt"), keep=5),
-                      preemption=spotring.PreemptionOptions(imds=False, check_every_steps=2))
+                      preemption=spotring.PreemptionOptions(notices="none",
+                                                            check_every_steps=2))
     assert (j.checkpoints.where, j.checkpoints.keep) == (str(tmp_path / "ckpt"), 1)
     model, optimizer = j.wrap(torch.nn.Linear(3, 1), torch.optim.SGD([torch.zeros(1)], lr=1))
     j.track(model=model)
-    # Votes every 2nd call: a signal is seen at the 4th (the 2nd sends, the 4th answers).
+    # Votes every 2nd call: a signal is seen at the 3rd (the 2nd sends, the 3rd answers).
     signal.raise_signal(signal.SIGTERM)
-    assert [j.should_stop() for _ in range(4)] == [False, False, False, True]
+    assert [j.should_stop() for _ in range(3)] == [False, False, True]
     j.close()
 
 
@@ -268,7 +271,7 @@ def test_a_new_engine_is_one_registered_module(tmp_path, monkeypatch):
     j = job(tmp_path, engine=LocalOptions(ratio=2.0))
     assert j.engine.name == "local" and j.finish()["engine"] == "local"
     with pytest.raises(spotring.ConfigError, match="engine=locla: unknown .did you mean local.*; "
-                                          "valid: ddp, horovod, local"):
+                                          "valid: ddp, fsdp, horovod, local"):
         engines.options_for("locla")
     config.register()
     assert ConfigStore.instance().load("schema/engine/local.yaml").node.ratio == 1.0

@@ -44,3 +44,13 @@ def test_gradient_accumulation_equals_the_larger_batch(train, one_worker):
                         launcher="torchrun", nproc=2)
     assert accumulated.summary["global_batch"] == 64
     assert_close(accumulated.params(), one_worker.params(), rtol=1e-10)
+
+
+@pytest.mark.slow
+def test_fsdp_in_the_trainer_equals_one_worker_with_twice_the_batch(train, one_worker):
+    # engine=fsdp's blocks "auto": each layer of the Sequential network, sharded on its own.
+    sharded = train("fsdp", *PARITY, "train.batch_size=32", "engine=fsdp", launcher="torchrun",
+                    nproc=2)
+    assert (sharded.summary["engine"], sharded.summary["world_size"]) == ("fsdp", 2)
+    assert sharded.summary["steps"] == one_worker.summary["steps"] == 20
+    assert_close(sharded.params(), one_worker.params(), rtol=1e-10)

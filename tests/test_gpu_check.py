@@ -124,6 +124,11 @@ def test_the_cpu_mode_runs_every_check_and_reports_each_figure(tmp_path):
     allreduce = checks["allreduce"]["figures"]
     assert [r["bytes"] for r in allreduce["sizes"]] == [1024, 4096, 16384, 65536]
     assert all(r["busbw_gbps"] > 0 for r in allreduce["sizes"])
+    fsdp = checks["fsdp"]["figures"]
+    for engine in ("ddp", "fsdp"):
+        assert fsdp[engine]["engine"] == engine and fsdp[engine]["world_size"] == 1
+        assert fsdp[engine]["tokens_per_second"] > 0
+        assert fsdp[engine]["ranks"][0]["peak_memory_mib"] > 0
     # Its runs keep their records, not their checkpoints: OUTDIR is for committing.
     assert (out / "runs" / "mnist-w1-s0" / "summary.json").is_file()
     assert not list(out.glob("runs/*/checkpoints"))

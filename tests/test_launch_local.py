@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from spotring.checkpoint import folder_name, manifest_name, newest_valid
 from spotring.launch import config
 from spotring.launch.local import netns
 from spotring.launch.local.provider import LocalCluster
@@ -122,8 +123,9 @@ def test_the_documented_make_launch_trains_mnist_across_two_local_nodes(uninterr
     assert summary["world_size"] == 2 and summary["steps"] == 120
     # The trainer's own engine under horovodrun, as under any launcher: its config's.
     assert summary["engine"] == "ddp" and summary["test_accuracy"] > 0.9
-    assert sorted(p.name for p in (run.job / "checkpoints").iterdir()) == [
-        "ckpt-000000120.json", "ckpt-000000120.pt"]  # the final one only
+    assert sorted(p.name for p in (run.job / "checkpoints").iterdir()) == sorted(
+        [folder_name(120), manifest_name(120)])  # the final one only, whole
+    assert newest_valid(run.job / "checkpoints").step == 120
     assert list((run.job / "tensorboard").glob("events.out.tfevents.*"))
     records = [json.loads(line) for line in (run.job / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["kind"] == "test" and records[-1]["step"] == 120

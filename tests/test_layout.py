@@ -170,7 +170,7 @@ def _strings_in_code(tree: ast.AST) -> Iterator[ast.Constant]:
 
 def test_only_the_checkpoint_module_spells_the_checkpoint_layout():
     """Whoever reads checkpoints outside spotring.checkpoint asks it for their names
-    (manifests, files_of, payload_name, newest_valid) instead of typing them again."""
+    (manifests, files_of, folder_name, newest_valid) instead of typing them again."""
     retyped = [f"{path.relative_to(REPO)}:{node.lineno}: {node.value!r}"
                for name, path in modules().items() if name != CHECKPOINT_LAYOUT
                for node in _strings_in_code(ast.parse(path.read_text()))

@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from spotring import DDPOptions, HorovodOptions, Job, engines, init, runtime
-from spotring.checkpoint import Checkpoints, find_resume
+from spotring.checkpoint import Checkpoint, Checkpoints
 from spotring.exits import ConfigError
 from spotring.trainer import datasets
 from spotring.trainer.loop import Trainer
@@ -56,6 +56,12 @@ def ratio(run: Run, reference: Run, step: int | None = None) -> float:
     exact = {k: v.double() for k, v in reference.params(step).items()}
     other = {k: v.double() for k, v in run.params(step).items()}
     return max(distance_ratios(exact, other).values())
+
+
+def checkpoint_of(run: Run, step: int) -> Checkpoint:
+    """The checkpoint of ``step`` in ``run``'s checkpoint directory (resume=its location)."""
+    (found,) = (c for c in run.checkpoints() if c.step == step)
+    return found
 
 
 def losses(run: Run) -> list[float]:
@@ -126,8 +132,8 @@ def test_compiled_two_workers_equal_one_eager_worker(compiled, one_worker):
 
 @pytest.mark.slow
 def test_a_compiled_run_resumes_uncompiled_with_channels_last(train, compiled):
-    start = compiled.dir / "checkpoints" / "ckpt-000000010.pt"
-    resumed = train("resumed", *F64, "train.batch_size=32", f"resume={start}",
+    start = checkpoint_of(compiled, 10)
+    resumed = train("resumed", *F64, "train.batch_size=32", f"resume={start.location}",
                     "train.channels_last=true", **TWO)
     assert "resumed at step 10" in resumed.output
     assert resumed.summary["steps_this_run"] == 10 and not resumed.summary["compile"]
@@ -139,8 +145,8 @@ def test_a_bf16_run_resumes_compiled_with_channels_last(train, bf16_two):
     """All three options at once, from a checkpoint of a run with bf16 alone; the
     compiled kernels round bf16 differently from the eager ones, so this is held to the
     bf16 tolerance of 10 steps."""
-    start = bf16_two.dir / "checkpoints" / "ckpt-000000010.pt"
-    resumed = train("resumed", *BF16, "train.batch_size=32", f"resume={start}",
+    start = checkpoint_of(bf16_two, 10)
+    resumed = train("resumed", *BF16, "train.batch_size=32", f"resume={start.location}",
                     "train.channels_last=true", "train.compile=true", **TWO)
     assert "resumed at step 10" in resumed.output
     check_trained(resumed, precision="bf16", channels_last=True, compile=True)
@@ -222,7 +228,7 @@ def test_fp16_scaler_state_is_checkpointed_and_restored(tmp_path):
     cfg = compose_config("dataset=synthetic", "dataset.shape=[1,28,28]",
                          "dataset.train_size=256", "dataset.test_size=64",
                          "train.batch_size=32", "train.max_steps=3", "train.precision=fp16",
-                         "telemetry.progress=false", "preemption.imds=false",
+                         "telemetry.progress=false", "preemption.notices=none",
                          f"checkpoint.dir={tmp_path / 'checkpoints'}")
     dataset = datasets.load(cfg.dataset, cfg.data, cfg.train.seed)
     checkpoints = Checkpoints(cfg.checkpoint.dir, cfg.checkpoint.keep)
@@ -237,7 +243,7 @@ def test_fp16_scaler_state_is_checkpointed_and_restored(tmp_path):
     first.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # overflows at once
     assert trainer.fit()["precision"] == "fp16"
     first.close()
-    saved = find_resume("auto", checkpoints).load()
+    saved = checkpoints.newest_valid().load()
     # Three overflowing steps, three halvings (none moved the weights).
     assert saved["spotring"]["scaler"]["scale"] == 2.0**124
     second = job()

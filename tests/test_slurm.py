@@ -19,6 +19,7 @@ from typing import TypeVar
 import pytest
 import torch
 
+from spotring.checkpoint import Checkpoints, folder_name, manifest_name
 from spotring.contract import RUN_DIR
 from spotring.exits import EXIT_CONFIG
 from spotring.launch import slurm as sbatch
@@ -117,8 +118,7 @@ class Job:
 
     def steps(self) -> list[int]:
         """The steps of the checkpoints on disk."""
-        return sorted(int(p.stem.split("-")[1])
-                      for p in (self.dir / "checkpoints").glob("ckpt-*.pt"))
+        return sorted(c.step for c in Checkpoints(self.dir / "checkpoints", keep=1).found())
 
     def wait(self, check: Callable[[], T | None], what: str, timeout_s: float = 60,
              queued: bool = True) -> T:
@@ -202,8 +202,9 @@ def test_a_warning_during_start_up_and_a_preempting_partition_each_requeue_the_j
     note = job.dir / "preempted.json"
     stopped = job.wait(lambda: note.exists() and json.loads(note.read_text())["step"] or None,
                        "rank 0's preempted.json")
-    to_disk = (job.dir / "checkpoints" / f"ckpt-{stopped:09d}.pt").stat().st_mtime - preempted
-    first = job.dir / "checkpoints" / f"ckpt-{stopped + 1:09d}.pt"
+    # A checkpoint is on disk once its manifest is (written after its parts).
+    to_disk = (job.dir / "checkpoints" / manifest_name(stopped)).stat().st_mtime - preempted
+    first = job.dir / "checkpoints" / manifest_name(stopped + 1)
     job.wait(lambda: first.exists() or None, "the first step of the resumed job")
     to_step = first.stat().st_mtime - preempted
     run = job.finish()
@@ -217,7 +218,7 @@ def test_a_warning_during_start_up_and_a_preempting_partition_each_requeue_the_j
     assert re.findall(r"\(restart (\d+)\) on 2 nodes", run.output) == ["0", "1", "2"], \
         run.output
     assert f"resumed at step {stopped}" in run.output, run.output
-    assert run.summary["resumed_from"].endswith(f"ckpt-{stopped:09d}.pt")
+    assert run.summary["resumed_from"].endswith(f"/{folder_name(stopped)}")
     assert run.summary["steps"] == 20 and run.summary["world_size"] == 2, run.summary
     assert 3 <= stopped < 20 and to_disk < 5, figures
     assert_close(run.params(), ddp_2x32.params(), rtol=1e-10)

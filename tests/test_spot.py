@@ -7,19 +7,34 @@ it off EC2. S3 is a real moto server on 127.0.0.1 speaking HTTP.
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import boto3
 import pytest
 import torch
 
-from spotring.checkpoint import CheckpointNotSaved, Checkpoints, find_resume
+from spotring.checkpoint import (
+    EXTRAS,
+    Checkpoint,
+    CheckpointNotSaved,
+    Checkpoints,
+    find_resume,
+    folder_name,
+    manifest_name,
+    manifests,
+    newest_valid,
+)
 from spotring.launch.commands import local_command, local_environment
+from spotring.options import PreemptionOptions
 from spotring.preemption import NOTICE_SECONDS
+from spotring.sharded import METADATA
+from spotring.stores import PART_BYTES
 from tests.conftest import QUICK, REPO, Run, assert_close, run_trainer
 from tests.imds import MetadataStub
 
@@ -33,16 +48,19 @@ RUN = ["dataset=synthetic", "dataset.shape=[1,28,28]", f"dataset.train_size={SAM
 
 
 class Job:
-    """A job watched as it runs: 2 ranks under mpirun (which passes the ranks' exit code
-    on) unless told otherwise."""
+    """A job watched as it runs: the trainer's 2 ranks under mpirun (which passes the
+    ranks' exit code on) unless told otherwise, or ``command`` started in ``cwd`` by the
+    launcher (a user's script, whose ``env`` sets SPOTRING_RUN_DIR to ``run_dir``)."""
 
     def __init__(self, run_dir: Path, overrides: list[str], env: dict[str, str],
-                 launcher: str = "mpirun", nproc: int = 2) -> None:
+                 launcher: str = "mpirun", nproc: int = 2, command: Sequence[str] = (),
+                 cwd: Path = REPO) -> None:
         self.run_dir = run_dir
         args = [f"hydra.run.dir={run_dir}", *QUICK, *RUN, "train.batch_size=32", *overrides]
-        self.proc = subprocess.Popen(local_command(launcher, nproc, args), cwd=REPO,
-                                     env=local_environment(**env), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(local_command(launcher, nproc, args, command=command),
+                                     cwd=cwd, env=local_environment(**env),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
         self.lines: list[str] = []
         threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
 
@@ -68,8 +86,8 @@ class Job:
 
 
 def newest_checkpoint_step(directory: Path) -> int:
-    found = find_resume("auto", Checkpoints(directory, keep=3))
-    return found.manifest["step"] if found else -1
+    found = newest_valid(directory)
+    return found.step if found else -1
 
 
 @pytest.mark.slow
@@ -93,7 +111,7 @@ def test_notice_checkpoints_at_once_exits_75_and_resumes_on_one_worker_exactly(t
     assert landed < 10, f"checkpoint {landed:.1f} s after the notice"
     print(f"\ncheckpoint landed {landed:.2f} s after the interruption notice")
     preempted = json.loads((run.dir / "preempted.json").read_text())
-    assert preempted["reason"].startswith("spot terminate notice")
+    assert preempted["reason"].startswith("EC2 spot terminate notice")
     stopped_at = preempted["step"]
     assert before <= stopped_at < STEPS and newest_checkpoint_step(run.dir / "checkpoints") \
         == stopped_at
@@ -141,22 +159,38 @@ def test_kill_9_without_notice_loses_at_most_every_steps(tmp_path, train):
 
 
 def big_state(step: int, numel: int = 10 * 1024 * 1024) -> dict:
-    # 40 MB by default: uploaded in three parts of 16 MB (stores.PART_BYTES).
-    return {"model": {"w": torch.full((numel,), float(step))}, "step": step}
+    # 40 MB by default, in one part: uploaded in three chunks of 16 MB (stores.PART_BYTES).
+    return {"model": {"w": torch.full((numel,), float(step))}}
 
 
-def save(checkpoints: Checkpoints, step: int, **state) -> None:
-    checkpoints.save(big_state(step, **state), {"step": step, "epoch": 0, "offset": 0,
-                                                "model": {"name": "convnet"}, "dataset": "mnist"})
+def save(checkpoints: Checkpoints, step: int, **state):
+    return checkpoints.save(big_state(step, **state),
+                            {"step": step, "epoch": 0, "offset": 0, "model": {"name": "convnet"},
+                             "dataset": "mnist"}, {"step": step})
 
 
-def test_s3_checkpoints_resume_on_a_new_node_and_a_cut_upload_is_never_picked(tmp_path, s3):
+def data_part(checkpoint: Checkpoint) -> str:
+    """The name in its store of a checkpoint's one data part (DCP's, of rank 0)."""
+    (part,) = (name for name in checkpoint.parts()
+               if name.rsplit("/", 1)[1] not in (METADATA, EXTRAS))
+    return part
+
+
+def test_s3_checkpoints_resume_on_a_new_node_and_a_cut_upload_is_never_picked(
+        tmp_path, s3, caplog):
     uri = "s3://spotring/runs/a"
     first_node = Checkpoints(tmp_path / "node1", keep=2, uri=uri)
     save(first_node, 10)
-    save(first_node, 20)
+    saved = save(first_node, 20)
+    assert saved.location == str(tmp_path / "node1" / folder_name(20))
+    # Every part on S3, as long as its manifest says; the data part went up in chunks.
+    on_s3 = first_node.found([first_node.remote])[0]
+    assert on_s3.location == f"{uri}/{folder_name(20)}"
+    assert first_node.remote.sizes(folder_name(20) + "/") == {
+        name: part["bytes"] for name, part in on_s3.parts().items()}
+    assert first_node.remote.size(data_part(on_s3)) > 2 * PART_BYTES
 
-    # The upload of step 30 is cut off after its first 16 MB part.
+    # The upload of step 30's data part is cut off after its first 16 MB chunk.
     original = first_node.remote.client.upload_part
 
     def cut(*args, **kwargs):
@@ -165,29 +199,49 @@ def test_s3_checkpoints_resume_on_a_new_node_and_a_cut_upload_is_never_picked(tm
         return original(*args, **kwargs)
 
     first_node.remote.client.upload_part = cut
-    with pytest.raises(Exception, match="went away"):
+    with pytest.raises(CheckpointNotSaved) as cut_off:
         save(first_node, 30)
-    keys = [o["Key"] for o in boto3.client("s3").list_objects_v2(
-        Bucket="spotring", Prefix="runs/a/")["Contents"]]
-    assert "runs/a/ckpt-000000030.pt" not in keys and "runs/a/ckpt-000000030.json" not in keys
+    # It names the rank and the object.
+    assert (f"rank 0: CheckpointNotSaved: {uri}/{folder_name(30)}/" in str(cut_off.value)
+            and "not uploaded (ConnectionResetError: the spot instance went away "
+            "mid-upload)" in str(cut_off.value))
+    client = boto3.client("s3")
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket="spotring",
+                                                     Prefix="runs/a/")["Contents"]]
+    assert f"runs/a/{manifest_name(30)}" not in keys
+    assert not [k for k in keys if k.startswith(f"runs/a/{folder_name(30)}/")], keys
+    # The cut multipart upload was aborted: nothing of it is kept (nor billed).
+    assert not client.list_multipart_uploads(Bucket="spotring", Prefix="runs/a/").get("Uploads")
+    assert manifest_name(30) not in first_node.local.names()  # nor on the node's disk
 
     # A new node: empty disk, same S3 prefix.
     second_node = Checkpoints(tmp_path / "node2", keep=2, uri=uri)
-    found = find_resume("auto", second_node)
-    assert found.manifest["step"] == 20 and found.location == f"{uri}/ckpt-000000020.pt"
+    assert [c.step for c in find_resume("auto", second_node)] == [20, 10]
+    found = second_node.newest_valid()
+    assert found.step == 20 and found.location == f"{uri}/{folder_name(20)}"
     assert torch.equal(found.load()["model"]["w"][:3], torch.full((3,), 20.0))
 
-    # Blob uploaded whole but its manifest never written: still invisible.
-    second_node.remote.client.put_object(Bucket="spotring", Key="runs/a/ckpt-000000040.pt",
-                                         Body=b"whatever")
-    assert find_resume("auto", second_node).manifest["step"] == 20
-    # A manifest whose object is corrupt is reported and skipped.
-    manifest = json.loads(second_node.remote.read("ckpt-000000020.json"))
-    second_node.remote.write("ckpt-000000050.json",
-                             json.dumps(manifest | {"file": "ckpt-000000040.pt"}).encode())
-    assert find_resume("auto", second_node).manifest["step"] == 20
-    assert sorted(k for k in second_node.remote.names() if k.endswith(".json")) == [
-        "ckpt-000000010.json", "ckpt-000000020.json", "ckpt-000000050.json"]
+    # Parts uploaded whole but their manifest never written: still invisible.
+    remote = second_node.remote
+    for name in found.parts():
+        client.copy_object(Bucket="spotring", CopySource=f"spotring/runs/a/{name}",
+                           Key=f"runs/a/{name.replace(folder_name(20), folder_name(40))}")
+    assert second_node.newest_valid().step == 20
+    assert [c.step for c in second_node.found()] == [20, 10]
+    # A manifest whose part is corrupt (as long as written, other bytes) is reported,
+    # naming the part, and skipped.
+    manifest = json.loads(remote.read(manifest_name(20)))
+    for name in found.parts():
+        data = remote.read(name)
+        if name.endswith(EXTRAS):
+            data = data[:-100] + bytes([data[-100] ^ 0xFF]) + data[-99:]
+        remote.write(name.replace(folder_name(20), folder_name(50)), data)
+    remote.write(manifest_name(50), json.dumps(manifest | {"step": 50}).encode())
+    with caplog.at_level(logging.WARNING, logger="spotring"):
+        assert second_node.newest_valid().step == 20
+    assert f"skipping checkpoint: {uri}/{folder_name(50)}/{EXTRAS}: corrupt, sha256 does not " \
+           "match its manifest" in caplog.text
+    assert manifests(remote.names()) == [manifest_name(s) for s in (50, 20, 10)]
 
 
 @pytest.mark.slow
@@ -198,7 +252,7 @@ def test_a_run_resumes_from_s3_on_a_fresh_machine(tmp_path, s3):
     assert first.summary["checkpoints"].endswith("and s3://spotring/runs/fresh")
     second = run_trainer(tmp_path / "two", *RUN, *uri, "train.max_steps=25", env=s3)
     assert "resumed at step 15" in second.output and second.summary["steps"] == 25
-    assert second.summary["resumed_from"] == "s3://spotring/runs/fresh/ckpt-000000015.pt"
+    assert second.summary["resumed_from"] == f"s3://spotring/runs/fresh/{folder_name(15)}"
 
 
 def test_unreachable_bucket_fails_before_training(tmp_path, s3):
@@ -213,6 +267,7 @@ class OneRank:
     """The engine of a job of one rank, where the vote's sum is the rank's own vote."""
 
     device = torch.device("cpu")
+    world_size = 1
 
     def start_sum(self, tensor, name):
         return lambda: tensor
@@ -234,13 +289,11 @@ def next_decision(watcher, timeout=10.0):
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["TERM", "USR1"])
 def test_a_signal_stops_at_a_step_boundary_and_its_handler_stays_until_restored(signum):
     # SLURM's warning before the time limit is SIGTERM or, as some users prefer, SIGUSR1.
-    from omegaconf import OmegaConf
-
     from spotring.preemption import Decision, Preemption
 
     before = signal.getsignal(signum)
-    cfg = OmegaConf.create({"imds": False, "poll_seconds": 1, "check_every_steps": 1})
-    watcher = Preemption(cfg, OneRank(), local_rank=0)
+    watcher = Preemption(PreemptionOptions(notices="none", poll_seconds=1), OneRank(),
+                         local_rank=0)
     try:
         signal.raise_signal(signum)  # the process lives on: the handler only votes
         assert next_decision(watcher) == Decision(signal.Signals(signum).name, False)
@@ -257,21 +310,20 @@ def test_a_signal_stops_at_a_step_boundary_and_its_handler_stays_until_restored(
 
 def test_the_watcher_survives_a_missed_first_probe_and_sees_a_rebalance_then_a_notice(
         monkeypatch):
-    from omegaconf import OmegaConf
-
     from spotring.preemption import Decision, Preemption
 
     imds = MetadataStub(unavailable=1)
     monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", imds.url)
-    cfg = OmegaConf.create({"imds": True, "poll_seconds": 0.05, "check_every_steps": 1})
-    watcher = Preemption(cfg, OneRank(), local_rank=0)
+    watcher = Preemption(PreemptionOptions(notices="ec2", poll_seconds=0.05), OneRank(),
+                         local_rank=0)
     try:
         imds.recommend_rebalance()
         assert next_decision(watcher) == Decision(None, True)  # checkpoint, and go on
         announced = time.time()
         imds.announce_interruption()
         decision = next_decision(watcher)  # the rebalance is not answered twice
-        assert decision.stop.startswith("spot terminate notice for ") and not decision.checkpoint
+        assert decision.stop.startswith("EC2 spot terminate notice for ") \
+            and not decision.checkpoint
         assert announced <= watcher.noticed_at <= time.time()  # when the watcher saw it
     finally:
         watcher.close()
@@ -283,14 +335,12 @@ def test_the_watcher_survives_a_missed_first_probe_and_sees_a_rebalance_then_a_n
 def test_close_waits_for_the_watcher(monkeypatch):
     # A watcher thread still running at interpreter exit drops the last reference to the
     # pending votes there, and freeing their tensor aborted runs that had succeeded.
-    from omegaconf import OmegaConf
-
     from spotring.preemption import Preemption
 
     imds = MetadataStub()
     monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", imds.url)
-    cfg = OmegaConf.create({"imds": True, "poll_seconds": 0.05, "check_every_steps": 1})
-    watcher = Preemption(cfg, OneRank(), local_rank=0)
+    watcher = Preemption(PreemptionOptions(notices="ec2", poll_seconds=0.05), OneRank(),
+                         local_rank=0)
     try:
         deadline = time.monotonic() + 10
         while len(imds.requests) < 3 and time.monotonic() < deadline:  # it is polling
@@ -306,35 +356,50 @@ def test_close_waits_for_the_watcher(monkeypatch):
 # ------------------------------------------------------------ the notice budget on S3
 
 
-@pytest.mark.parametrize("cut", ["manifest_put", "short_pt", "manifest_differs"])
+@pytest.mark.parametrize("cut", ["manifest_put", "short_part", "manifest_differs"])
 def test_a_save_cut_before_its_manifest_or_read_back_wrong_is_never_resumed_from(
         tmp_path, s3, monkeypatch, caplog, cut):
     uri = f"s3://spotring/runs/{cut}"
     node = Checkpoints(tmp_path / "node1", keep=3, uri=uri)
     save(node, 10, numel=1024)
-    write = node.remote.write
+    name_in_folder = data_part(node.newest_valid()).rsplit("/", 1)[1]
+    part = f"{folder_name(20)}/{name_in_folder}"  # step 20's data part
+    write, upload = node.remote.write, node.remote.upload
 
-    def damaged(name: str, data: bytes) -> None:
+    def damaged_write(name: str, data: bytes) -> None:
         if name.endswith(".json") and cut == "manifest_put":
             raise ConnectionResetError("the spot instance went away mid-upload")
-        if name.endswith(".pt") and cut == "short_pt":  # a store that kept fewer bytes
-            data = data[:-1]
         if name.endswith(".json") and cut == "manifest_differs":  # another writer's
-            data = json.dumps(json.loads(data) | {"sha256": "0" * 64}).encode()
+            other = json.loads(data)
+            other["parts"][name_in_folder]["sha256"] = "0" * 64
+            data = json.dumps(other).encode()
         write(name, data)
 
-    monkeypatch.setattr(node.remote, "write", damaged)
-    error = {"manifest_put": "went away mid-upload",
-             "short_pt": f"{uri}/ckpt-000000020.pt: .* bytes stored of the .* written",
-             "manifest_differs": f"{uri}/ckpt-000000020.json: reads back other than written"}
-    with pytest.raises((ConnectionResetError, CheckpointNotSaved), match=error[cut]):
+    def short_upload(name: str, path: Path) -> None:
+        if name == part and cut == "short_part":  # a store that kept fewer bytes
+            return write(name, path.read_bytes()[:-1])
+        return upload(name, path)
+
+    monkeypatch.setattr(node.remote, "write", damaged_write)
+    monkeypatch.setattr(node.remote, "upload", short_upload)
+    with pytest.raises(CheckpointNotSaved) as e:
         save(node, 20, numel=1024)
-    assert ("ckpt-000000020.json" in node.remote.names()) == (cut == "manifest_differs")
+    written = (tmp_path / "node1" / part).stat().st_size
+    error = {"manifest_put": "rank 0: ConnectionResetError: the spot instance went away",
+             "short_part": f"{uri}/{part}: {written - 1} bytes stored of the {written} "
+                           "written",
+             "manifest_differs": f"{uri}/{manifest_name(20)}: reads back other than written"}
+    assert error[cut] in str(e.value)
+    assert (manifest_name(20) in node.remote.names()) == (cut == "manifest_differs")
 
     fresh_node = Checkpoints(tmp_path / "node2", keep=3, uri=uri)
-    assert find_resume("auto", fresh_node).manifest["step"] == 10
+    with caplog.at_level(logging.WARNING, logger="spotring"):
+        assert fresh_node.newest_valid().step == 10
     if cut == "manifest_differs":
-        assert f"skipping checkpoint: {uri}/ckpt-000000020.pt: corrupt" in caplog.text
+        assert f"skipping checkpoint: {uri}/{part}: corrupt, sha256 does not match its " \
+               "manifest" in caplog.text
+    else:
+        assert [c.step for c in fresh_node.found()] == [10]
 
 
 @pytest.mark.slow
@@ -351,9 +416,15 @@ def test_a_stop_records_its_notice_to_s3_time_and_a_fresh_node_resumes_from_that
     step = note["step"]
     assert signalled <= note["noticed_at"] <= note["local_saved_at"] <= note["saved_at"] \
         <= (run.dir / "preempted.json").stat().st_mtime
-    blob = f"ckpt-{step:09d}.pt"
-    on_s3 = boto3.client("s3").head_object(Bucket="spotring", Key=f"runs/budget/{blob}")
-    assert note["upload_bytes"] == on_s3["ContentLength"] and note["upload_seconds"] > 0
+    reader = Checkpoints(tmp_path / "unused", keep=3, uri=uri)
+    remote = reader.remote
+    (stopped,) = [c for c in reader.found([remote]) if c.step == step]
+    stopped.verify()
+    # The bytes uploaded are the parts' on S3, each as long as its manifest says.
+    on_s3 = remote.sizes(folder_name(step) + "/")
+    assert on_s3 == {name: part["bytes"] for name, part in stopped.parts().items()}
+    assert note["upload_bytes"] == sum(on_s3.values()) == stopped.manifest["bytes"]
+    assert note["upload_seconds"] > 0
     # The log line tells the same times, to its precision, and the upload's MB/s.
     line = next(x for x in run.output.splitlines() if "notice budget (SIGTERM)" in x)
     spent = note["saved_at"] - note["noticed_at"]
@@ -363,14 +434,19 @@ def test_a_stop_records_its_notice_to_s3_time_and_a_fresh_node_resumes_from_that
     rate = note["upload_bytes"] / 1e6 / note["upload_seconds"]
     assert f"{uri} in {note['upload_seconds']:.2f} s ({rate:.1f} MB/s)" in line
 
-    # Newer than the stop's checkpoint on S3: a manifest whose object is short, as an
-    # upload cut by the reclaim leaves it. A fresh node skips it, naming it.
-    remote = Checkpoints(tmp_path / "unused", keep=3, uri=uri).remote
-    manifest = json.loads(remote.read(f"ckpt-{step:09d}.json"))
-    later = f"ckpt-{step + 1:09d}"
-    remote.write(f"{later}.pt", remote.read(blob)[: manifest["bytes"] // 2])
-    remote.write(f"{later}.json", json.dumps(manifest | {"file": f"{later}.pt"}).encode())
+    # Newer than the stop's checkpoint on S3: a manifest whose data part is short, as an
+    # upload cut by the reclaim leaves it. A fresh node skips it, naming the part.
+    later = step + 1
+    cut = data_part(stopped).replace(folder_name(step), folder_name(later))
+    for name in stopped.parts():
+        data = remote.read(name)
+        if name == data_part(stopped):
+            whole = len(data)
+            data = data[: whole // 2]
+        remote.write(name.replace(folder_name(step), folder_name(later)), data)
+    remote.write(manifest_name(later), json.dumps(stopped.manifest | {"step": later}).encode())
     resumed = run_trainer(tmp_path / "fresh", *RUN, f"checkpoint.uri={uri}",
-                          "train.batch_size=32", f"train.max_steps={step + 1}", env=s3)
-    assert f"skipping checkpoint: {uri}/{later}.pt: truncated" in resumed.output
+                          "train.batch_size=32", f"train.max_steps={later}", env=s3)
+    assert f"skipping checkpoint: {uri}/{cut}: truncated, {whole // 2} of {whole} bytes" \
+        in resumed.output
     assert f"resumed at step {step}" in resumed.output

@@ -13,12 +13,13 @@ import boto3
 import pytest
 
 from spotring import contract
+from spotring.checkpoint import Checkpoints, manifest_name, newest_valid
 from spotring.launch.commands import local_command, local_environment
 
 # A few steps on a small synthetic dataset: what is looked at is where the files go.
 ARGS = ["dataset=synthetic", "dataset.shape=[1,28,28]", "dataset.train_size=256",
         "dataset.test_size=64", "train.batch_size=32", "train.max_steps=4",
-        "train.eval_samples=64", "telemetry.progress=false", "preemption.imds=false"]
+        "train.eval_samples=64", "telemetry.progress=false", "preemption.notices=none"]
 
 
 def train(cwd, *args: str, launcher: str = "single", nproc: int = 1,
@@ -39,13 +40,20 @@ def objects(uri: str) -> list[str]:
     return sorted(o["Key"].removeprefix(prefix + "/") for o in listed.get("Contents", []))
 
 
+def checkpoint_objects(step: int, uri: str, tmp_path) -> list[str]:
+    """What a checkpoint of ``step`` is in S3, read from its manifest there (verified):
+    the manifest and every part it lists."""
+    found = newest_valid(tmp_path / "nothing-local", uri)
+    assert found is not None and found.step == step, found
+    return sorted([manifest_name(step), *found.parts()])
+
+
 def test_the_run_directory_is_the_contracts_and_a_restart_continues_in_it(tmp_path):
     run_dir = tmp_path / "run"
     first = train(tmp_path, **{contract.RUN_DIR: str(run_dir)})
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["run_dir"] == str(run_dir) and summary["steps"] == 4
-    assert sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt")) == [
-        "ckpt-000000004.pt"]
+    assert [c.step for c in Checkpoints(run_dir / "checkpoints", keep=1).found()] == [4]
     assert (run_dir / "metrics.jsonl").is_file() and (run_dir / "train.log").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no runs/<time>/
     assert "Traceback" not in first.stderr
@@ -56,18 +64,21 @@ def test_the_run_directory_is_the_contracts_and_a_restart_continues_in_it(tmp_pa
 
 
 @pytest.mark.slow
-def test_checkpoints_go_to_the_contracts_uri_and_rank_1_writes_nothing(tmp_path, s3):
+def test_checkpoints_go_to_the_contracts_uri_and_rank_1_writes_only_into_the_run(tmp_path, s3):
     uri = "s3://spotring/contract/run"
     run_dir = tmp_path / "run"
     train(tmp_path, launcher="torchrun", nproc=2,
           **{contract.RUN_DIR: str(run_dir), contract.CHECKPOINT_URI: uri})
-    assert objects(uri) == ["ckpt-000000004.json", "ckpt-000000004.pt"]
+    assert objects(uri) == checkpoint_objects(4, uri, tmp_path)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and uri in summary["checkpoints"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # rank 1 left nothing
+    # Rank 1 wrote its part of the checkpoint into the run's directory, nothing elsewhere:
+    # the checkpoint is whole there too.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert newest_valid(run_dir / "checkpoints").step == 4
     # checkpoint.uri, given, is the run's: the variable is only the default.
     explicit = "s3://spotring/contract/explicit"
     train(tmp_path, f"hydra.run.dir={tmp_path / 'other'}", f"checkpoint.uri={explicit}",
           **{contract.CHECKPOINT_URI: uri})
-    assert objects(explicit) == ["ckpt-000000004.json", "ckpt-000000004.pt"]
-    assert objects(uri) == ["ckpt-000000004.json", "ckpt-000000004.pt"]
+    assert objects(explicit) == checkpoint_objects(4, explicit, tmp_path)
+    assert objects(uri) == checkpoint_objects(4, uri, tmp_path)

@@ -2,12 +2,13 @@
 otherwise empty project directory: the library API (`import spotring`) around a float64
 least-squares model, so that N workers end with one worker's parameters to 1e-10.
 
-    python train.py --steps 40 --lr 0.1 --batch 8 --sleep 0 --save-every 10
+    python train.py --steps 40 --lr 0.1 --batch 8 --sleep 0 --save-every 10 --poll-seconds 5
 
-It checkpoints every --save-every steps, stops on a spot notice or SIGTERM with exit 75,
-resumes from its newest checkpoint, logs a train record every step and a test record
-at every epoch end (what `spotring sweep` prunes on), and ends with summary.json holding
-``test_loss`` and ``weights``. ``PLAIN`` is a script that does not use the library.
+It checkpoints every --save-every steps, stops on a spot notice (its cloud's metadata
+service polled every --poll-seconds) or SIGTERM with exit 75, resumes from its newest
+checkpoint, logs a train record every step and a test record at every epoch end (what
+`spotring sweep` prunes on), and ends with summary.json holding ``test_loss`` and
+``weights``. ``PLAIN`` is a script that does not use the library.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ p.add_argument("--lr", type=float, default=0.1)
 p.add_argument("--batch", type=int, default=8)
 p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--save-every", type=int, default=10)
+p.add_argument("--poll-seconds", type=float, default=5.0)
 args = p.parse_args()
 
 g = torch.Generator().manual_seed(0)
@@ -39,7 +41,8 @@ w = torch.tensor([1.0, -2.0, 3.0, 0.5], dtype=torch.float64)
 y = x @ w + 0.1 * torch.randn(64, generator=g, dtype=torch.float64)
 data = torch.utils.data.TensorDataset(x, y)
 
-with spotring.init(seed=0) as job:
+notices = spotring.PreemptionOptions(poll_seconds=args.poll_seconds)
+with spotring.init(seed=0, preemption=notices) as job:
     model = torch.nn.Linear(4, 1, dtype=torch.float64)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loader = job.loader(data, args.batch)

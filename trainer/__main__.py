@@ -18,10 +18,11 @@ Several machines (every host has this repository and its .venv at the same path)
     make launch NODES=8                                   # EC2 spot instances
 
 Resume: run the same command with the same run directory (resume=auto is the
-default), e.g. `hydra.run.dir=runs/mnist`, or give `resume=PATH/ckpt-000000500.pt`.
+default), e.g. `hydra.run.dir=runs/mnist`, or give `resume=PATH/ckpt-000000500.json`.
 Started by spotring's launchers, the run directory is $SPOTRING_RUN_DIR and
 checkpoint.uri defaults to $SPOTRING_CHECKPOINT_URI, as for any script (spotring.init).
-Every rank reads this; only rank 0 writes logs, TensorBoard files and checkpoints.
+Every rank reads this; only rank 0 writes logs and TensorBoard files, and every rank its
+part of each checkpoint, in rank 0's checkpoint directory.
 """
 
 from __future__ import annotations

@@ -100,10 +100,9 @@ class Batches:
     def test(self, batch_size: int, samples: int | None = None
              ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's contiguous shard of the test set (of its first ``samples``), in
-        batches."""
-        n = min(samples or len(self.dataset.test), len(self.dataset.test))
-        mine = torch.arange(n).tensor_split(self.world_size)[self.rank]
-        for index in mine.split(batch_size):
+        batches (``evaluation_batches``)."""
+        for index in evaluation_batches(len(self.dataset.test), samples, batch_size,
+                                        self.rank, self.world_size):
             x, y = self._to_device(self.dataset.test, index)
             yield self._normalise(x), y
 
@@ -163,10 +162,9 @@ class LoaderBatches:
         """This rank's contiguous shard of the test set (of its first ``samples``), in
         batches, as `Batches.test`."""
         test = self.dataset.test
-        n = min(samples or len(test), len(test))
-        mine = torch.arange(n).tensor_split(self.world_size)[self.rank]
+        batches = evaluation_batches(len(test), samples, batch_size, self.rank, self.world_size)
         loader = torch.utils.data.DataLoader(
-            torch.utils.data.Subset(test, mine.tolist()), batch_size=batch_size,
+            test, batch_sampler=[index.tolist() for index in batches],
             num_workers=self.workers, pin_memory=self.device.type == "cuda")
         for x, y in loader:
             yield self._to_device(x, y)
@@ -174,6 +172,17 @@ class LoaderBatches:
     def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return (x.to(self.device, self.dtype, non_blocking=True, memory_format=self.memory_format),
                 y.to(self.device, torch.long, non_blocking=True))
+
+
+def evaluation_batches(size: int, samples: int | None, batch_size: int, rank: int,
+                 world_size: int) -> list[torch.Tensor]:
+    """The indices of ``rank``'s contiguous shard of the first ``samples`` (default all)
+    of a test set of ``size``, in batches of at most ``batch_size``, as many on every rank:
+    under engine=fsdp each forward pass gathers parameters from every rank, which must
+    all run it as often. The shards differ by one sample at most, so the batches do too."""
+    shards = torch.arange(min(samples or size, size)).tensor_split(world_size)
+    count = -(-len(shards[0]) // batch_size)  # the first shard is the largest
+    return list(shards[rank].tensor_split(count)) if count else []
 
 
 class SeededItems(torch.utils.data.Dataset):

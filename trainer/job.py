@@ -1,11 +1,11 @@
 """One training job, start to end, as every rank runs it.
 
     1. check the config, load the data, build the model   (no network yet: bad input,
-    2. rank 0: find the checkpoint to resume from          a user's _target_ too, fails
+    2. rank 0: the newest checkpoint, which must match     a user's _target_ too, fails
     3. spotring.init: the device, the engine checked,      here, on every rank, with
        the process group joined (the API a user's          one clear paragraph)
        script uses, with the config's option objects)
-    4. rank 0's checkpoint to every rank; train; evaluate
+    4. restore (each rank its part); train; evaluate
     5. rank 0: summary.json and the closing lines
 
 The run reads the launch contract as any script does (spotring/contract.py): its run
@@ -29,7 +29,7 @@ from torch import nn
 
 import spotring
 from spotring import exits, runtime
-from spotring.checkpoint import Checkpoint, find_resume
+from spotring.checkpoint import find_resume
 from spotring.exits import EXIT_CONFIG, EXIT_OK, ConfigError
 from spotring.global_batch import split_global_batch
 from spotring.trainer import datasets
@@ -44,7 +44,7 @@ log = logging.getLogger("trainer")
 def run(cfg: DictConfig) -> int:
     launch = runtime.detect()
     try:
-        found, dataset, model = _prepare(cfg, launch)
+        dataset, model = _prepare(cfg, launch)
     except ConfigError as e:
         report_bad_input(e, launch)
         return EXIT_CONFIG
@@ -55,7 +55,7 @@ def run(cfg: DictConfig) -> int:
                        run_dir=_run_dir(), checkpoint=OmegaConf.to_object(cfg.checkpoint),
                        preemption=OmegaConf.to_object(cfg.preemption),
                        threads=cfg.train.threads, seed=cfg.train.seed) as job:
-        results = Trainer(cfg, job, dataset, model).fit(found)
+        results = Trainer(cfg, job, dataset, model).fit(cfg.resume)
         summary = job.finish(**results, model=_model_option(cfg),
                              tensorboard=str(_run_dir() / "tensorboard"),
                              metrics=str(_run_dir() / "metrics.jsonl"))
@@ -65,10 +65,11 @@ def run(cfg: DictConfig) -> int:
 
 
 def _prepare(cfg: DictConfig, launch: runtime.Launch
-             ) -> tuple[Checkpoint | None, datasets.Dataset | datasets.MapDataset, nn.Module]:
+             ) -> tuple[datasets.Dataset | datasets.MapDataset, nn.Module]:
     """Everything of the trainer's own that can fail on bad input, done before any
     process group exists: the data and the model too (a _target_ of the user's fails
-    here, with exit code 2), and the checkpoint to resume from, which must match them."""
+    here, with exit code 2), and the newest checkpoint to resume from, which must match
+    them (the job's restore then checks its parts, all ranks together)."""
     validate(cfg)
     runtime.set_threads(cfg.train.threads, launch.local_world_size)
     runtime.keep_freed_memory()
@@ -89,15 +90,13 @@ def _prepare(cfg: DictConfig, launch: runtime.Launch
             f"global batch {batch} (train.batch_size={cfg.train.batch_size} x "
             f"{launch.world_size} workers x train.accumulation={cfg.train.accumulation}) "
             f"is larger than the {len(dataset.train)} training samples of {dataset.name}")
-    found = None
-    if launch.rank == 0:  # only rank 0 reads checkpoints; the others get its copy
+    if launch.rank == 0:  # rank 0 says which checkpoints a restore will try
         checkpoints = OmegaConf.to_object(cfg.checkpoint).open(_run_dir())
         if checkpoints.remote is not None:
             checkpoints.remote.check_access()
-        found = find_resume(cfg.resume, checkpoints)
-        if found is not None:
-            found.check_matches(annotations(cfg))
-    return found, dataset, model
+        if found := find_resume(cfg.resume, checkpoints):
+            found[0].check_matches(annotations(cfg))
+    return dataset, model
 
 
 def _run_dir() -> Path:

@@ -10,6 +10,7 @@ clear paragraph listing every problem instead of a hang or a traceback on N mach
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -85,6 +86,10 @@ def validate(cfg: DictConfig) -> None:
         need(value >= 0, f"{key}={value}: must be zero or positive")
     need(0 <= cfg.train.label_smoothing < 1,
          f"train.label_smoothing={cfg.train.label_smoothing}: must be in [0, 1)")
+    need(not (cfg.model.l1 and cfg.engine.name == "fsdp"),
+         f"model.l1={cfg.model.l1} with engine=fsdp: the penalty reads the whole weights "
+         "outside the forward pass, where FSDP holds only this worker's shard of them; "
+         "valid with fsdp: model.l1=0")
     if cfg.schedule.decay == "step":
         need(len(cfg.schedule.milestones) > 0,
              "schedule.milestones=[]: decay=step needs at least one epoch, e.g. [30,60,80]")
@@ -98,12 +103,14 @@ def validate(cfg: DictConfig) -> None:
         need(cfg.model.depth >= 8 and (cfg.model.depth - 2) % 6 == 0,
              f"model.depth={cfg.model.depth}: a CIFAR ResNet has depth 6n+2 (20, 32, 44, 56, 110)")
     # spotring's own options: their rules are spotring's.
-    problems += OmegaConf.to_object(cfg.engine).problems("engine.",
-                                                         compile=bool(cfg.train.compile))
+    problems += OmegaConf.to_object(cfg.engine).problems(
+        "engine.", compile=bool(cfg.train.compile), precision=str(cfg.train.precision))
     problems += OmegaConf.to_object(cfg.checkpoint).problems("checkpoint.")
     problems += OmegaConf.to_object(cfg.preemption).problems("preemption.")
-    need(cfg.resume in ("auto", "never") or str(cfg.resume).endswith(".pt"),
-         f"resume={cfg.resume}: must be auto, never, or the path of a checkpoint (.pt) file")
+    need(cfg.resume in ("auto", "never") or str(cfg.resume).endswith((".json", ".pt"))
+         or Path(str(cfg.resume)).is_dir(),
+         f"resume={cfg.resume}: must be auto, never, or the path of a checkpoint: its "
+         "manifest (.json), its folder, or an older spotring's single .pt file")
     problems += gpu_path_problems(cfg)
 
     if problems:

@@ -2,7 +2,7 @@
 
     check(options, launch, device)                # bad input: ConfigError, nothing started
     engine = create(options, launch, device)      # joins the process group
-    model, optimizer = engine.prepare(model, optimizer, accumulation)
+    model, optimizer = engine.prepare(model, optimizer, accumulation, precision=...)
     with engine.no_sync(model): ...backward...    # micro-steps before the last
     engine.step(optimizer, scaler)                # gradients are averaged by now; the
                                                   # fp16 scaler unscales them first
@@ -21,7 +21,10 @@ every list of valid engines comes from the registry.
 
 PyTorch DDP (engine=ddp) averages in backward hooks over bucketed gradients; Horovod
 (engine=horovod) does it in its DistributedOptimizer. Both run a ring allreduce,
-NCCL on GPUs, Gloo (or MPI, for Horovod) on CPUs.
+NCCL on GPUs, Gloo (or MPI, for Horovod) on CPUs. FSDP (engine=fsdp) shards the
+parameters, gradients and optimizer state: it all-gathers each block's parameters around
+its forward and backward and reduce-scatters its gradients, over the process group that
+engine=ddp joins too (process_group.py).
 """
 
 from __future__ import annotations
@@ -34,13 +37,13 @@ from typing import Any
 
 import torch
 
-from spotring.engines.base import Engine
+from spotring.engines.base import Engine, OptimizerFactory
 from spotring.exits import ConfigError
 from spotring.options import EngineOptions, require_one_of
 from spotring.runtime import Launch
 
-__all__ = ["Engine", "Registered", "check", "create", "is_collective_failure", "options_for",
-           "register", "registry"]
+__all__ = ["Engine", "OptimizerFactory", "Registered", "check", "create",
+           "is_collective_failure", "options_for", "register", "registry"]
 
 
 @dataclass(frozen=True)

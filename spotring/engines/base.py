@@ -1,16 +1,34 @@
 """The interface every engine implements (spotring/engines/__init__.py says how the loop
-uses it); ddp.py and horovod.py implement it."""
+uses it); ddp.py, fsdp.py and horovod.py implement it."""
 
 from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
+
+from spotring.exits import ConfigError
+
+# What wrap takes in place of an optimizer: a function of the parameters it is to step
+# (an iterator, as model.parameters() gives), called once the engine has them.
+OptimizerFactory = Callable[[Iterator[nn.Parameter]], Optimizer]
+
+
+def built(optimizer: Optimizer | OptimizerFactory, model: nn.Module) -> Optimizer:
+    """``optimizer`` itself, or the one the factory ``optimizer`` builds over ``model``'s
+    parameters (ConfigError where it builds something else)."""
+    if isinstance(optimizer, Optimizer):
+        return optimizer
+    made = optimizer(model.parameters())
+    if not isinstance(made, Optimizer):
+        raise ConfigError(f"the optimizer factory {optimizer!r} returned a "
+                          f"{type(made).__name__}, not a torch.optim.Optimizer")
+    return made
 
 
 class Engine(abc.ABC):
@@ -30,9 +48,15 @@ class Engine(abc.ABC):
     contiguous_only: bool = False
 
     @abc.abstractmethod
-    def prepare(self, model: nn.Module, optimizer: Optimizer,
-                accumulation: int) -> tuple[nn.Module, Optimizer]:
-        """Make every rank start from rank 0's state and average gradients from now on."""
+    def prepare(self, model: nn.Module, optimizer: Optimizer | OptimizerFactory,
+                accumulation: int, *, precision: str = "fp32") -> tuple[nn.Module, Optimizer]:
+        """Make every rank start from rank 0's state and average gradients from now on.
+
+        model: on this rank's device. optimizer: built over its parameters, or a factory
+        (``built``). accumulation: micro-steps per optimizer step. precision: wrap's,
+        resolved ("fp32", "bf16" or "fp16"); the loop autocasts the forward pass, and an
+        engine that casts parameters itself reads it. Returns the model and optimizer
+        to train with."""
 
     def step(self, optimizer: Optimizer, scaler: torch.amp.GradScaler) -> None:
         """optimizer.step() on the averaged gradients. With train.precision=fp16 the

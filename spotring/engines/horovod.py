@@ -11,15 +11,17 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
 from spotring.engines import register
-from spotring.engines.base import Engine
+from spotring.engines.base import Engine, OptimizerFactory, built
 from spotring.exits import ConfigError
 from spotring.options import EngineOptions, choices
 from spotring.runtime import Launch
@@ -91,10 +93,22 @@ class HorovodEngine(Engine):
             self.backend = "nccl" if hvd.nccl_built() else "mpi"
         else:  # CPU tensors go the controller's way: MPI under mpirun, else Gloo
             self.backend = "mpi" if hvd.mpi_enabled() else "gloo"
+        if self.world_size > 1:
+            # Sharded checkpoints plan, verify and publish their parts over a
+            # torch.distributed process group (spotring/state.py): a Gloo one beside
+            # Horovod's, found through engine=ddp's rendezvous, which knows horovodrun's
+            # and mpirun's.
+            from spotring.engines.process_group import rendezvous
 
-    def prepare(self, model: nn.Module, optimizer: Optimizer,
-                accumulation: int) -> tuple[nn.Module, Optimizer]:
+            timeout = timedelta(seconds=options.timeout_s)
+            dist.init_process_group("gloo", store=dist.PrefixStore("pg", rendezvous(
+                launch, timeout)), rank=self.rank, world_size=self.world_size,
+                timeout=timeout)
+
+    def prepare(self, model: nn.Module, optimizer: Optimizer | OptimizerFactory,
+                accumulation: int, *, precision: str = "fp32") -> tuple[nn.Module, Optimizer]:
         hvd = self.hvd
+        optimizer = built(optimizer, model)
         # Every rank starts from rank 0's weights, which hold the checkpoint on resume.
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         if optimizer.state_dict()["state"]:
@@ -145,6 +159,8 @@ class HorovodEngine(Engine):
                 f"the rank that exited first. Cause: {error}")
 
     def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
         self.hvd.shutdown()
 
 

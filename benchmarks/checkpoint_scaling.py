@@ -1,0 +1,495 @@
+"""Sharded checkpoints against rank 0 alone: a spot notice's save on 1, 2 and 4 workers, and
+the stall of a periodic background save against a blocking one.
+
+    python -m spotring.benchmarks.checkpoint_scaling            # 15-20 minutes on 2 busy cores
+    python -m spotring.benchmarks.checkpoint_scaling --quick    # 0.01 GB on 2 workers, 3 runs
+
+Every run is benchmarks/checkpoint_ranks.py, a user's script, under `torchrun --standalone`
+(Gloo, engine=ddp): a stack of 1024 x 1024 nn.Linear blocks with AdamW whose state
+(weights and AdamW's two moments, float32) is --sizes gigabytes (0.2, 1 and 2), on
+--workers ranks (1, 2 and 4). Each cell of 2 workers or more runs twice, back to back (the
+order alternating from cell to cell, so that the machine's drift falls on both alike); one
+worker is one writer either way, and runs once:
+
+    rank0     CheckpointOptions(sharded=False): rank 0 gathers the state, writes it alone
+              (what spotring did before sharded checkpoints)
+    sharded   the default: every rank writes its part (DCP), reads it back and uploads it
+
+After a few steps (--steps-before) the benchmark sends SIGTERM to every rank, as an
+instance's shutdown does, and reads what the run left:
+
+    (a) from rank 0's preempted.json: notice to the local copy (local_saved_at -
+        noticed_at) and to verified on S3 (saved_at - noticed_at), with checkpoint.uri on
+        a moto S3 server this benchmark starts on 127.0.0.1 (for states up to
+        --s3-max-gb, 0.2: moto, one Python process, takes about a minute a GB on 2 busy
+        cores; larger states go to local disk only); and the save alone, from the
+        moment the ranks agreed to stop (rank 0's clock) to the same two times
+    (b) from the checkpoint's manifest: the bytes each rank wrote (its __RANK_0.distcp;
+        rank 0's .metadata and spotring.pt added to rank 0's)
+    (c) from each rank: VmRSS before the save and VmHWM during it (the peak reset just
+        before, /proc/self/clear_refs): the peak extra memory of the notice's save
+
+and then (d) one training run (--periodic-gb, 2 workers, local disk) that saves every
+--save-every steps, its saves taking turns in the background and blocking: the seconds of
+the steps that contain a save against those that do not.
+
+A cell whose estimated memory (every rank's weights, gradients, DDP's gradient buckets and
+AdamW's moments, torch and the save's buffers) exceeds MEMORY_SHARE of the memory
+available at its start is skipped and recorded so: the machine is shared. The goals
+(GOALS) are judged in results.json's "verdicts" and in report.md. Results:
+benchmarks/results/checkpoint_scaling/ (--name): results.json, report.md, and runs/ (each
+run's log, preempted.json and memory files; its checkpoints are deleted once read).
+Exits 2 with a message when moto is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from spotring.benchmarks import record
+from spotring.benchmarks.checkpoint_ranks import WIDTH, blocks_for, state_bytes
+from spotring.benchmarks.notice_budget import BUCKET, check_upload, start_s3
+from spotring.benchmarks.report import header, table
+from spotring.benchmarks.runs import REPO, drop_heavy, shown, started
+from spotring.checkpoint import Checkpoints
+from spotring.exits import PREEMPTED
+from spotring.launch.commands import local_command
+from spotring.stores import PART_BYTES
+
+NAME = "spotring.benchmarks.checkpoint_scaling"
+MODULE = "spotring.benchmarks.checkpoint_ranks"  # what every rank runs
+MODES = ("rank0", "sharded")
+START_SECONDS = 600  # for a run to reach --steps-before
+STOP_SECONDS = 600  # from the signal to every rank's exit
+MEMORY_SHARE = 0.6  # of MemAvailable a cell may take
+OVERHEAD_BYTES = 512 * 2**20  # a rank's torch and Python, and its save's buffers
+WARMUP_STEPS = 2  # periodic mode: AdamW's first step allocates its moments
+# One buffer of the save path: an upload part (spotring/stores.py).
+BUFFER_BYTES = PART_BYTES
+GOALS = {
+    "bytes": "each rank writes at most its share (checkpoint / W) plus 5%",
+    "local_2": "to local disk with 2 workers, at most 0.6x of rank 0 alone",
+    "memory": "extra memory per rank at most its part plus one buffer (16 MiB, an S3 part)",
+    "stall": "a background save's stall at most 0.2x a blocking one's",
+}
+_DISTCP = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+FULL = {"sizes": [0.2, 1.0, 2.0], "workers": [1, 2, 4], "s3_max_gb": 0.2,
+        "periodic_gb": 1.0, "periodic_steps": 21, "save_every": 5}
+QUICK = {"sizes": [0.01], "workers": [2], "s3_max_gb": 0.2,
+         "periodic_gb": 0.01, "periodic_steps": 7, "save_every": 3}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m {NAME}",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true",
+                   help=f"a tiny version: {QUICK['sizes']} GB on {QUICK['workers']} workers")
+    p.add_argument("--sizes", type=float, nargs="+", help=f"states in GB ({FULL['sizes']})")
+    p.add_argument("--workers", type=int, nargs="+", help=f"world sizes ({FULL['workers']})")
+    p.add_argument("--s3-max-gb", type=float,
+                   help=f"the largest state also saved to moto S3 ({FULL['s3_max_gb']})")
+    p.add_argument("--steps-before", type=int, default=2, help="steps before SIGTERM (2)")
+    p.add_argument("--periodic-gb", type=float, help="(d)'s state (1)")
+    p.add_argument("--periodic-steps", type=int,
+                   help="(d)'s steps (21; 0: no (d))")
+    p.add_argument("--save-every", type=int, help="(d)'s steps between saves (5)")
+    p.add_argument("--name", default="checkpoint_scaling",
+                   help="the results folder: a name under benchmarks/results, or a path")
+    return p
+
+
+def settings(args: argparse.Namespace) -> dict:
+    """The run's settings: --quick's or the full run's, the options given replacing them."""
+    chosen = dict(QUICK if args.quick else FULL)
+    for key in chosen:
+        if getattr(args, key, None) is not None:
+            chosen[key] = getattr(args, key)
+    chosen["steps_before"] = args.steps_before
+    return chosen
+
+
+def available_bytes() -> int:
+    text = Path("/proc/meminfo").read_text()
+    return int(re.search(r"^MemAvailable:\s+(\d+) kB", text, re.M).group(1)) * 1024
+
+
+def estimated_bytes(gigabytes: float, workers: int) -> int:
+    """What a cell's ranks hold at most: each its weights, gradients, DDP's buckets (W > 1)
+    and AdamW's two moments, its torch and its save's buffers. (On CPUs the state rank 0
+    alone writes is its own tensors, not a gathered copy.)"""
+    params = state_bytes(blocks_for(gigabytes)) // 3
+    return workers * (params * (4 + (workers > 1)) + OVERHEAD_BYTES)
+
+
+def rank_of(part: str) -> int:
+    """The rank that wrote ``part`` of a checkpoint's folder: __RANK_0.distcp's RANK; the
+    others (DCP's .metadata, spotring's extras) are rank 0's."""
+    found = _DISTCP.match(part)
+    return int(found.group(1)) if found else 0
+
+
+def bytes_per_rank(manifest: dict, workers: int) -> list[int]:
+    written = [0] * workers
+    for name, part in manifest["parts"].items():
+        written[rank_of(name)] += part["bytes"]
+    return written
+
+
+def _wait_for(done, proc, what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            how = (f"ended first (exit {proc.returncode})" if proc.poll() is not None
+                   else f"not within {timeout:g} s")
+            raise RuntimeError(f"{what}: {how}: {shown(proc.args)}")
+        time.sleep(0.05)
+
+
+def _steps(ranks: Path) -> int:
+    try:
+        return int((ranks / "steps").read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+def notice_once(gigabytes: float, workers: int, mode: str, run_dir: Path, s3: dict | None,
+                steps_before: int) -> dict:
+    """One run: train, SIGTERM every rank after ``steps_before`` steps, and what it left."""
+    uri = f"s3://{BUCKET}/{run_dir.name}" if s3 else None
+    command = local_command("torchrun", workers, [
+        "--gb", str(gigabytes), "--run-dir", str(run_dir),
+        *(["--uri", uri] if uri else []), *(["--rank0"] if mode == "rank0" else [])],
+        module=MODULE)
+    ranks = run_dir / "ranks"
+    with started(command, run_dir / "output.log", **(s3["env"] if s3 else {})) as proc:
+        _wait_for(lambda: _steps(ranks) >= steps_before and all(
+            (ranks / f"pid-{r}").exists() for r in range(workers)), proc,
+            f"{run_dir.name} to step {steps_before}", START_SECONDS)
+        pids = [int((ranks / f"pid-{r}").read_text()) for r in range(workers)]
+        signalled = time.time()
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        proc.wait(STOP_SECONDS)
+    memories = []
+    for r in range(workers):
+        path = ranks / f"memory-{r}.json"
+        if not path.exists():
+            raise RuntimeError(f"{run_dir.name}: rank {r} left no {path.name} (exit "
+                               f"{proc.returncode}); see {run_dir / 'output.log'}")
+        memories.append(json.loads(path.read_text()))
+    note = json.loads((run_dir / PREEMPTED).read_text())
+    (checkpoint,) = Checkpoints(run_dir / "checkpoints", keep=1).found()
+    if s3:
+        check_upload(s3["client"], run_dir.name, note)
+        _delete_prefix(s3["client"], run_dir.name)
+    drop_heavy(run_dir)
+    decided = memories[0]["decided_at"]
+    written = bytes_per_rank(checkpoint.manifest, workers)
+    run = {
+        "gb": gigabytes, "workers": workers, "mode": mode, "s3": bool(s3),
+        "command": shown(command, env={"AWS_ENDPOINT_URL": "http://127.0.0.1:PORT"} if s3
+                         else None),
+        "dir": str(run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir),
+        "step": note["step"], "checkpoint_bytes": checkpoint.manifest["bytes"],
+        "state_bytes": state_bytes(blocks_for(gigabytes)),
+        "rank_bytes": written,
+        "step_seconds": statistics.median(memories[0]["step_seconds"][1:] or
+                                          memories[0]["step_seconds"]),
+        "signal_to_notice": note["noticed_at"] - signalled,
+        "notice_to_decided": decided - note["noticed_at"],
+        "notice_to_local": note["local_saved_at"] - note["noticed_at"],
+        "save_to_local": note["local_saved_at"] - decided,
+        "extra_memory": [m["hwm_during"] - m["rss_before"] for m in memories],
+        "rss_before": [m["rss_before"] for m in memories],
+        "peak_reset": all(m["peak_reset"] for m in memories),
+    }
+    if s3:
+        run |= {"notice_to_s3": note["saved_at"] - note["noticed_at"],
+                "save_to_s3": note["saved_at"] - decided,
+                "upload_seconds": note["upload_seconds"],
+                "s3_phase_seconds": note["saved_at"] - note["local_saved_at"]}
+    return run
+
+
+def _delete_prefix(client, prefix: str) -> None:
+    """Every object under ``prefix``: moto keeps them in this process's memory."""
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    for page in pages:
+        for obj in page.get("Contents", []):
+            client.delete_object(Bucket=BUCKET, Key=obj["Key"])
+
+
+def periodic_once(gigabytes: float, run_dir: Path, steps: int, save_every: int) -> dict:
+    """(d): one 2-worker run saving every ``save_every`` steps to local disk, its saves
+    taking turns: background, blocking, background..."""
+    command = local_command("torchrun", 2, [
+        "--gb", str(gigabytes), "--run-dir", str(run_dir), "--steps", str(steps),
+        "--save-every", str(save_every)], module=MODULE)
+    with started(command, run_dir / "output.log") as proc:
+        code = proc.wait(START_SECONDS + STOP_SECONDS)
+    if code != 0:
+        raise RuntimeError(f"exit {code}: {shown(command)}; see {run_dir / 'output.log'}")
+    drop_heavy(run_dir)
+    found = json.loads((run_dir / "ranks" / "steps.json").read_text())
+    return {"command": shown(command),
+            "dir": str(run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir),
+            **found}
+
+
+def measure(args: argparse.Namespace, folder: Path) -> dict:
+    chosen = settings(args)
+    server, client, env = start_s3()
+    cells, skipped = [], []
+    try:
+        order = 0
+        for gigabytes in chosen["sizes"]:
+            for workers in chosen["workers"]:
+                # One process is one writer either way (state.py: comm ALONE): once.
+                modes = MODES[:1] if workers == 1 else MODES if order % 2 == 0 \
+                    else MODES[::-1]
+                order += workers > 1
+                for mode in modes:
+                    need, have = estimated_bytes(gigabytes, workers), available_bytes()
+                    name = f"{gigabytes:g}gb-w{workers}-{mode}"
+                    if need > MEMORY_SHARE * have:
+                        skipped.append({"gb": gigabytes, "workers": workers, "mode": mode,
+                                        "estimated_bytes": need, "available_bytes": have,
+                                        "why": f"needs about {need / 2**30:.1f} GiB, more "
+                                               f"than {MEMORY_SHARE:.0%} of the "
+                                               f"{have / 2**30:.1f} GiB available"})
+                        print(f"{name}: skipped, {skipped[-1]['why']}", flush=True)
+                        continue
+                    s3 = ({"env": env, "client": client}
+                          if gigabytes <= chosen["s3_max_gb"] else None)
+                    run = notice_once(gigabytes, workers, mode, folder / "runs" / name, s3,
+                                      chosen["steps_before"])
+                    cells.append(run)
+                    print(f"{name}: notice to local {run['notice_to_local']:.2f} s "
+                          f"(save {run['save_to_local']:.2f} s)"
+                          + (f", to S3 verified {run['notice_to_s3']:.2f} s" if s3 else "")
+                          + f"; most bytes from one rank {max(run['rank_bytes']) / 1e6:.1f} "
+                          f"MB; most extra memory {max(run['extra_memory']) / 2**20:.0f} MiB",
+                          flush=True)
+    finally:
+        server.stop()
+    periodic = None
+    if chosen["periodic_steps"]:
+        name = f"periodic-{chosen['periodic_gb']:g}gb-w2"
+        periodic = periodic_once(chosen["periodic_gb"], folder / "runs" / name,
+                                 chosen["periodic_steps"], chosen["save_every"])
+        print(f"{name}: " + "; ".join(f"{kind}: stall {f['stall']:.2f} s"
+                                      for kind, f in stalls(periodic).items()), flush=True)
+    return {"checkpoint_scaling": {"settings": chosen, "quick": args.quick, "width": WIDTH,
+                                   "buffer_bytes": BUFFER_BYTES, "goals": GOALS,
+                                   "cells": cells, "skipped": skipped,
+                                   "periodic": periodic}}
+
+
+def stalls(run: dict) -> dict:
+    """(d)'s figures of each kind of save: the median seconds of the quiet steps (no save
+    in them, none in flight at their end or the step before), the mean of the steps that
+    saved, the stall (their difference), the steps a background write overlapped, and the
+    extra seconds of the steps from the save to the next save (or the end) over as many
+    quiet ones: the write slowing the steps it overlaps counts there too."""
+    steps = [s for s in run["steps"] if s["step"] > WARMUP_STEPS]
+    # A background write was in flight at the step's start or end.
+    writing = {s["step"] for s in steps if s["in_flight"]}
+    busy = writing | {step + 1 for step in writing}
+    plain = [s for s in steps if not s["save"]]
+    base = statistics.median(s["seconds"] for s in [s for s in plain if s["step"] not in busy]
+                             or plain)
+    found = {}
+    for kind in ("background", "blocking"):
+        saves = [s for s in steps if s["save"] == kind]
+        if not saves:
+            continue
+        spans = []
+        for save in saves:
+            after = [s for s in steps if s["step"] >= save["step"]]
+            end = next((s["step"] for s in after[1:] if s["save"]), None)
+            spans.append([s["seconds"] for s in after if end is None or s["step"] < end])
+        mean = statistics.mean(s["seconds"] for s in saves)
+        found[kind] = {
+            "quiet_step": base, "save_step": mean, "stall": mean - base, "saves": len(saves),
+            "waited": sum(1 for s in saves if s["step"] - 1 in writing),
+            "overlapped_steps": sum(1 for s in steps if not s["save"] and s["step"] in busy
+                                    and kind == "background"),
+            "extra_total": statistics.mean(sum(span) - len(span) * base for span in spans)}
+    return found
+
+
+def derive(results: dict) -> dict:
+    """Per cell the two modes side by side, the verdicts, and what N nodes would give."""
+    section = results["checkpoint_scaling"]
+    runs = {(r["gb"], r["workers"], r["mode"]): r for r in section["cells"]}
+    verdicts = {"bytes": [], "local_2": [], "memory": [], "stall": None}
+    for run in section["cells"]:
+        run["share_ratio"] = max(run["rank_bytes"]) / (run["checkpoint_bytes"] / run["workers"])
+        run["memory_budget"] = [b + BUFFER_BYTES for b in run["rank_bytes"]]
+        run["memory_ok"] = all(e <= b for e, b in zip(run["extra_memory"],
+                                                      run["memory_budget"], strict=True))
+        if run["s3"]:
+            run["moto_mb_s"] = run["checkpoint_bytes"] / 1e6 / run["s3_phase_seconds"]
+        if run["mode"] == "sharded":
+            verdicts["bytes"].append({"gb": run["gb"], "workers": run["workers"],
+                                      "ratio": run["share_ratio"],
+                                      "ok": run["share_ratio"] <= 1.05})
+        verdicts["memory"].append({"gb": run["gb"], "workers": run["workers"],
+                                   "mode": run["mode"], "ok": run["memory_ok"]})
+    for (gigabytes, workers, mode), run in runs.items():
+        alone = runs.get((gigabytes, workers, "rank0"))
+        if mode != "sharded" or alone is None:
+            continue
+        run["of_rank0"] = {f: run[f] / alone[f] for f in
+                           ("notice_to_local", "save_to_local", "notice_to_s3", "save_to_s3")
+                           if f in run and f in alone}
+        one = runs.get((gigabytes, 1, "rank0"))
+        if one is not None:  # N nodes: one rank's share at one node's (one writer's) rate
+            run["on_nodes_save_to_local"] = one["save_to_local"] * max(run["rank_bytes"]) \
+                / one["checkpoint_bytes"]
+            if "save_to_s3" in one:
+                run["on_nodes_save_to_s3"] = one["save_to_s3"] * max(run["rank_bytes"]) \
+                    / one["checkpoint_bytes"]
+        if workers == 2:
+            verdicts["local_2"].append({
+                "gb": gigabytes, "notice_ratio": run["of_rank0"]["notice_to_local"],
+                "save_ratio": run["of_rank0"]["save_to_local"],
+                "ok": run["of_rank0"]["notice_to_local"] <= 0.6,
+                "ok_save_alone": run["of_rank0"]["save_to_local"] <= 0.6})
+    figures = stalls(section["periodic"]) if section["periodic"] else {}
+    section["stall"] = figures
+    if {"background", "blocking"} <= figures.keys():
+        ratio = figures["background"]["stall"] / figures["blocking"]["stall"]
+        total = figures["background"]["extra_total"] / figures["blocking"]["extra_total"]
+        verdicts["stall"] = {"ratio": ratio, "total_ratio": total, "ok": ratio <= 0.2}
+    section["verdicts"] = verdicts
+    # The noise: rank 0 alone writes the same bytes on any number of workers.
+    section["rank0_spread"] = {
+        f"{gigabytes:g}": [min(found), max(found)] for gigabytes in {r["gb"] for r in
+                                                                  section["cells"]}
+        if len(found := [r["save_to_local"] for r in section["cells"]
+                         if r["gb"] == gigabytes and r["mode"] == "rank0"]) > 1}
+    return results
+
+
+def _s(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _ok(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def render(folder: Path, results: dict) -> Path:
+    """report.md: the machine, the cells, the verdicts, (d), the skipped cells."""
+    section = results["checkpoint_scaling"]
+    runs, verdicts = section["cells"], section["verdicts"]
+    rows = []
+    for r in sorted(runs, key=lambda r: (r["gb"], r["workers"], r["mode"])):
+        ratio = r.get("of_rank0", {})
+        rows.append([
+            f"{r['gb']:g}", str(r["workers"]),
+            "one writer" if r["workers"] == 1 else r["mode"], _s(r["notice_to_local"]),
+            _s(r["save_to_local"]), _s(r.get("notice_to_s3")), _s(r.get("save_to_s3")),
+            _s(ratio.get("notice_to_local")), _s(ratio.get("save_to_local")),
+            _s(ratio.get("notice_to_s3")),
+            " / ".join(f"{b / 1e6:.0f}" for b in r["rank_bytes"]),
+            " / ".join(f"{e / 2**20:.0f}" for e in r["extra_memory"]),
+            _s(r["step_seconds"]), _s(r.get("moto_mb_s"), 0)])
+    nodes = [[f"{r['gb']:g}", str(r["workers"]), _s(r["on_nodes_save_to_local"]),
+              _s(r.get("on_nodes_save_to_s3"))]
+             for r in sorted(runs, key=lambda r: (r["gb"], r["workers"]))
+             if "on_nodes_save_to_local" in r]
+    verdict_lines = [
+        f"- **{GOALS['bytes']}**: " + "; ".join(
+            f"{v['gb']:g} GB on {v['workers']}: {v['ratio']:.3f}x its share, {_ok(v['ok'])}"
+            for v in verdicts["bytes"]),
+        f"- **{GOALS['local_2']}** (notice to local; the save alone in brackets): " + "; ".join(
+            f"{v['gb']:g} GB: {v['notice_ratio']:.2f}x, {_ok(v['ok'])} ({v['save_ratio']:.2f}x, "
+            f"{_ok(v['ok_save_alone'])})" for v in verdicts["local_2"]),
+        f"- **{GOALS['memory']}**: " + "; ".join(
+            f"{v['gb']:g} GB on {v['workers']} {v['mode']}: {_ok(v['ok'])}"
+            for v in verdicts["memory"]),
+    ]
+    figures = section["stall"]
+    if stall_verdict := verdicts["stall"]:
+        verdict_lines.append(
+            f"- **{GOALS['stall']}**: {stall_verdict['ratio']:.3f}x, "
+            f"{_ok(stall_verdict['ok'])} (all steps' extra seconds: "
+            f"{stall_verdict['total_ratio']:.3f}x)")
+    periodic_rows = [[kind, _s(f["quiet_step"]), _s(f["save_step"]), _s(f["stall"]),
+                      str(f["saves"]), str(f["waited"]), str(f["overlapped_steps"]),
+                      _s(f["extra_total"])] for kind, f in figures.items()]
+    settings_ = section["settings"]
+    body = [
+        header(folder, results),
+        f"## The notice's save: rank 0 alone against sharded (1024-wide Linear blocks, "
+        f"AdamW, float32; moto S3 up to {settings_['s3_max_gb']:g} GB)",
+        table(["GB", "W", "mode", "notice to local (s)", "save to local (s)",
+               "notice to S3 (s)", "save to S3 (s)", "local / rank0", "save / rank0",
+               "S3 / rank0", "MB written per rank", "extra MiB per rank", "step (s)",
+               "moto MB/s"], rows),
+        "Notice: rank 0's preempted.json, from SIGTERM's handler (noticed_at) to the local "
+        "copy complete on every rank (local_saved_at) and to verified on S3 (saved_at). "
+        "Save: from the step the ranks agreed to stop at to the same times: the notice's "
+        "figure less the step in progress and the next (the vote is read a step late). "
+        "Extra memory: VmHWM during the save less VmRSS before it, each rank. moto MB/s: "
+        "the checkpoint's bytes over saved_at - local_saved_at (the uploads after the "
+        "slowest local copy, and the manifest): one Python process on this machine, "
+        "reported, not tuned. One worker is one writer whatever the mode (measured once).",
+        "Noise: rank 0 alone writes the same bytes on 1, 2 and 4 workers; its save to "
+        "local took " + "; ".join(f"{low:.2f} to {high:.2f} s at {gb} GB" for gb, (low, high)
+                                  in sorted(section["rank0_spread"].items())) + ".",
+        "## On N nodes",
+        "Each node its own disk and network: a sharded save is one rank's share at one "
+        "writer's rate, the 1-worker rank-0 run's (bytes of the busiest rank / that run's "
+        "bytes x its seconds; to S3, moto's one-writer rate). Rank 0 alone stays at the "
+        "1-worker time (plus the gather over the network, not measured here).",
+        table(["GB", "N", "save to local (s)", "save to S3 (s)"], nodes),
+        "## Goals",
+        "\n".join(verdict_lines),
+        f"## (d) Periodic saves: {settings_['periodic_gb']:g} GB, 2 workers, every "
+        f"{settings_['save_every']} steps, local disk, one run whose saves take turns",
+        table(["kind", "quiet step (s)", "step with a save (s)", "stall (s)", "saves",
+               "saves after a write in flight", "steps overlapping a write",
+               "extra seconds per save"], periodic_rows),
+        "Quiet steps: no save in them and no background write in flight at their end or "
+        "the step before (median, both kinds). Stall: the mean of the steps that saved "
+        "less a quiet step. Extra seconds per save: the steps from a save to the next one "
+        "(or the end) less as many quiet steps, which also counts the background write "
+        f"slowing the steps it overlaps. The first {WARMUP_STEPS} steps are left out.",
+    ]
+    if section["skipped"]:
+        body += ["## Not measured", "\n".join(
+            f"- {s['gb']:g} GB on {s['workers']} workers, {s['mode']}: {s['why']}"
+            for s in section["skipped"])]
+    body.append("The method: `benchmarks/checkpoint_scaling.py` and "
+                "`benchmarks/checkpoint_ranks.py`; every run's command and figures are in "
+                "`results.json`, its log, preempted.json and memory files in `runs/`.")
+    return record.write_report(folder, "\n\n".join(body))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
+    try:
+        import moto.server  # noqa: F401
+    except ImportError:
+        print(f"python -m {NAME}: needs moto's S3 server to upload to: pip install "
+              "'moto[server]' (or '.[test]')", file=sys.stderr)
+        return 2
+    return record.run_alone(NAME, argv, args.name, "checkpoint-scaling",
+                            lambda folder: measure(args, folder), derive, render)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

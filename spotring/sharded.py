@@ -1,0 +1,246 @@
+"""Every rank's part of a checkpoint, written and read through torch.distributed.checkpoint.
+
+    comm = Comm(group, rank, world_size)          # the checkpoint's collectives
+    files = write(state, folder, comm)            # this rank's files in folder
+    staged = Stager(pinned).stage(state)          # a copy in CPU memory, to write later
+    read(state, LocalFolder(path) or S3Folder(store, folder), comm)   # in place
+
+DCP (``torch.distributed.checkpoint``) plans a save across the ranks: a sharded tensor
+(FSDP's DTensor) is written by the rank that holds each shard, and a tensor every rank
+holds alike (DDP, Horovod) by one rank only, the planner spreading them so that each
+rank writes about its share. Each rank writes one file, ``__RANK_0.distcp``, and the
+coordinator (rank 0) the ``.metadata`` that says where every piece of every tensor is. A
+reader of any world size and any engine asks the metadata for the pieces of its own
+tensors and reads only those: resharding on load.
+
+From S3 the pieces are read as byte ranges of the parts (``S3Folder``), so a rank
+downloads what it needs, not the checkpoint. This module knows nothing of manifests:
+spotring/checkpoint.py lists, verifies and publishes the parts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
+
+from spotring.stores import S3Store
+
+__all__ = ["ALONE", "CheckpointException", "Comm", "LocalFolder", "S3Folder", "Stager",
+           "failures", "load_whole", "read", "write"]
+
+# DCP's global metadata file in a checkpoint's folder, written by rank 0.
+METADATA = ".metadata"
+# An S3 part is read ahead in requests of this size: DCP reads a tensor's bytes in many
+# small reads, each one request without it.
+_READ_AHEAD_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Comm:
+    """The collectives of a checkpoint: over ``group`` (a torch.distributed process group
+    of every rank; None with one process), this process being ``rank`` of ``world_size``."""
+
+    group: Any = None
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def alone(self) -> bool:
+        return self.world_size == 1
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order."""
+        if self.alone:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.alone:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
+ALONE = Comm()
+
+
+class _PartWriter(dcp.FileSystemWriter):
+    """DCP's file writer, remembering the files this rank wrote."""
+
+    written: list[str] = []
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        self.written = sorted({r.storage_data.relative_path for r in future.wait()})
+        return future
+
+
+def write(state: dict[str, Any], folder: Path, comm: Comm) -> list[str]:
+    """Save ``state`` (a collective over ``comm``): every rank writes its part into
+    ``folder`` (each host its own, where the ranks do not share a disk). Returns the
+    names, in ``folder``, of the files this rank wrote (rank 0's include .metadata)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    # overwrite: a save killed before its manifest left parts of this step, which the
+    # manifest will not list (and the next save removes).
+    writer = _PartWriter(folder, overwrite=True)
+    with _alone_is_meant(comm):
+        dcp.save(state, storage_writer=writer, process_group=comm.group, no_dist=comm.alone)
+    return writer.written + ([METADATA] if comm.rank == 0 else [])
+
+
+class Stager:
+    """Copies of state dicts in CPU memory, for a save that writes them while training
+    goes on. ``pinned`` (GPUs): the copies live in page-locked memory, kept from one save
+    to the next, so the copy runs at the bus's speed; else a new copy each time."""
+
+    def __init__(self, pinned: bool) -> None:
+        from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+        self._stager = BlockingAsyncStager(cache_staged_state_dict=pinned)
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A copy of ``state``'s tensors (DTensors stay DTensors) in CPU memory."""
+        return self._stager.stage(state)
+
+
+@dataclass(frozen=True)
+class LocalFolder:
+    """A checkpoint's folder on this host's disk."""
+
+    path: Path
+
+    def reader(self) -> dcp.StorageReader:
+        return FileSystemReader(self.path)
+
+
+@dataclass(frozen=True)
+class S3Folder:
+    """A checkpoint's folder in S3: ``folder`` under ``store``'s prefix."""
+
+    store: S3Store
+    folder: str
+
+    def reader(self) -> dcp.StorageReader:
+        reader = FileSystemReader(self.folder)
+        reader.fs = _S3Files(self.store)  # byte ranges of the parts, asked of S3
+        reader.path = self.folder
+        return reader
+
+
+def read(state: dict[str, Any], source: LocalFolder | S3Folder, comm: Comm) -> None:
+    """Load the checkpoint at ``source`` into ``state``'s tensors, in place (a collective
+    over ``comm``): each rank reads the pieces its own tensors hold, from any world size."""
+    with _alone_is_meant(comm):
+        dcp.load(state, storage_reader=source.reader(), process_group=comm.group,
+                 no_dist=comm.alone)
+
+
+@contextlib.contextmanager
+def _alone_is_meant(comm: Comm) -> Iterator[None]:
+    """Without DCP's warning that one process "assumes" it is alone: here it is."""
+    with warnings.catch_warnings():
+        if comm.alone:
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        yield
+
+
+def failures(error: BaseException, rank: int) -> dict[int, BaseException]:
+    """What failed on which rank: a CheckpointException's own (DCP gathers every rank's
+    into one, with its traceback), else ``error`` on ``rank``."""
+    if isinstance(error, CheckpointException):
+        return {r: failure[0] for r, failure in error.failures.items()}
+    return {rank: error}
+
+
+def load_whole(folder: Path) -> dict[str, Any]:
+    """The whole checkpoint in ``folder``, in this one process, as plain tensors: for
+    readers outside a job (a test, a tool)."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        whole = Path(tmp) / "whole.pt"
+        with _alone_is_meant(ALONE):
+            dcp_to_torch_save(folder, whole)
+        return torch.load(whole, map_location="cpu", weights_only=True)
+
+
+class _S3Object(io.RawIOBase):
+    """An S3 object read as a seekable file, each read one ranged GET."""
+
+    def __init__(self, store: S3Store, name: str) -> None:
+        self.store, self.name, self.position = store, name, 0
+        self._size: int | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if whence == os.SEEK_END:
+            if self._size is None:
+                self._size = self.store.size(self.name)
+            offset += self._size
+        elif whence == os.SEEK_CUR:
+            offset += self.position
+        self.position = offset
+        return offset
+
+    def readinto(self, buffer) -> int:
+        data = self.store.read_range(self.name, self.position, len(buffer))
+        buffer[: len(data)] = data
+        self.position += len(data)
+        return len(data)
+
+
+class _S3Files(FileSystemBase):
+    """What DCP's FileSystemReader asks of a file system, answered from S3 (reads only)."""
+
+    def __init__(self, store: S3Store) -> None:
+        self.store = store
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if mode != "rb":
+            raise io.UnsupportedOperation(f"S3 parts are read here, not written ({mode})")
+        yield io.BufferedReader(_S3Object(self.store, str(path)), _READ_AHEAD_BYTES)
+
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
+        return f"{path}/{suffix}"
+
+    def init_path(self, path: str | os.PathLike) -> str:
+        return str(path)
+
+    def _read_only(self, *args: Any) -> Any:
+        raise io.UnsupportedOperation("S3 parts are read here, not written")
+
+    rename = mkdir = rm_file = _read_only
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return str(path) in self.store.names()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False

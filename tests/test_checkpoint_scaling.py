@@ -1,0 +1,44 @@
+"""benchmarks/checkpoint_scaling.py: the bytes of each rank read from a manifest, and its
+--quick mode end to end (torchrun, a moto S3 server, SIGTERM to every rank)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spotring.benchmarks import checkpoint_scaling as bench
+from spotring.benchmarks.checkpoint_ranks import blocks_for, state_bytes
+
+
+def test_each_part_counts_for_the_rank_that_wrote_it():
+    manifest = {"parts": {"__0_0.distcp": {"bytes": 10}, "__1_0.distcp": {"bytes": 7},
+                          ".metadata": {"bytes": 2}, "spotring.pt": {"bytes": 1}}}
+    assert bench.bytes_per_rank(manifest, 3) == [13, 7, 0]
+
+
+def test_the_state_is_the_size_asked_for_within_a_block():
+    for gigabytes in (0.2, 1.0, 2.0):
+        size = state_bytes(blocks_for(gigabytes))
+        assert abs(size - gigabytes * 1e9) <= state_bytes(1) / 2
+
+
+@pytest.mark.slow
+def test_the_quick_benchmark_runs_end_to_end(tmp_path):
+    pytest.importorskip("moto.server")
+    folder = tmp_path / "run"
+    assert bench.main(["--quick", "--name", str(folder)]) == 0
+    section = json.loads((folder / "results.json").read_text())["checkpoint_scaling"]
+    cells = {cell["mode"]: cell for cell in section["cells"]}
+    assert set(cells) == {"rank0", "sharded"} and not section["skipped"]
+    for cell in cells.values():
+        assert cell["workers"] == 2 and cell["s3"] and cell["peak_reset"]
+        assert 0 < cell["save_to_local"] <= cell["notice_to_local"] <= cell["notice_to_s3"]
+        assert sum(cell["rank_bytes"]) == cell["checkpoint_bytes"]
+    assert cells["rank0"]["rank_bytes"][1] == 0  # rank 0 alone wrote it all
+    assert all(cells["sharded"]["rank_bytes"])  # every rank wrote its part
+    assert "of_rank0" in cells["sharded"]
+    assert set(section["stall"]) == {"background", "blocking"}
+    assert section["verdicts"]["stall"] is not None
+    report = (folder / "report.md").read_text()
+    assert "## Goals" in report and "## (d) Periodic saves" in report

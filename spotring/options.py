@@ -205,7 +205,7 @@ class PreemptionOptions(Options):
         polling. SIGTERM and SIGUSR1 stop the job whichever it is.
     poll_seconds: between two polls of the metadata service.
     check_every_steps: optimizer steps between the ranks' votes on a stop (one tiny
-        allreduce each, about 1 ms on Gloo). None, the default: as many as keep the votes
+        allreduce each). None, the default: as many as keep the votes
         near 1% of the steps' time but span at most about a second, from the step time
         and the vote's cost as the job measures them, and the same on every rank. A
         notice is acted on within that interval and one step.

@@ -302,10 +302,7 @@ class Checkpoints:
         try:
             files = sharded.write(state, self.local.path / folder, comm)
             if comm.rank == 0:
-                import torch
-
-                buffer = _bytes_of(torch, extras or {})
-                self.local.write(f"{folder}/{EXTRAS}", buffer)
+                self.local.write(f"{folder}/{EXTRAS}", _bytes_of(extras or {}))
                 files.append(EXTRAS)
             report |= self._publish(folder, files, started)
         except (Exception, sharded.CheckpointException) as e:
@@ -403,8 +400,11 @@ class Checkpoints:
                 store.delete(name)
 
 
-def _bytes_of(torch: Any, obj: Any) -> bytes:
+def _bytes_of(obj: Any) -> bytes:
+    """torch.save of ``obj`` (torch imported here: launchers read the layout without it)."""
     import io
+
+    import torch
 
     buffer = io.BytesIO()
     torch.save(obj, buffer)

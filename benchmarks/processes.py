@@ -8,7 +8,8 @@ killing the launcher's process group would leave the workers running.
 
     start(command, **popen)   subprocess.Popen in a new session; refused (Stopped) once
                               stop_all has run
-    kill(proc)                proc and every process under it, at once
+    kill(proc)                proc and every process under it, at once; returns once they
+                              have died
     stop_all(reason)          from now on nothing starts, and every process under this
                               one is killed: what a benchmark does when it is stopped
     kill_all()                every process under this one, killed
@@ -27,9 +28,11 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+KILLED_WITHIN = 10.0  # seconds kill and kill_all wait for what they killed to die
 
 _lock = threading.Lock()  # between a start and the latch, so that none slips past it
 _stop_reason: str | None = None
@@ -91,7 +94,9 @@ def become_subreaper() -> None:
 
 def _kill_fixpoint(alive: Callable[[], set[int]]) -> None:
     """SIGSTOP what ``alive`` finds until it finds nothing new (a stopped process forks
-    no more), then SIGKILL it all: nothing started meanwhile escapes."""
+    no more), then SIGKILL it all: nothing started meanwhile escapes. Returns once each
+    has died (the kernel ends a killed process when it next runs, not at once), or after
+    KILLED_WITHIN seconds."""
     frozen: set[int] = set()
     while new := alive() - frozen:
         for pid in new:
@@ -99,12 +104,32 @@ def _kill_fixpoint(alive: Callable[[], set[int]]) -> None:
         frozen |= new
     for pid in frozen:
         _signal(pid, signal.SIGKILL)
+    deadline = time.monotonic() + KILLED_WITHIN
+    while any(_running(pid) for pid in frozen) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _signal(pid: int, sig: int) -> None:
     # Gone already, or its pid reused by a process not ours.
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
+
+
+def _stat(pid: int | str) -> tuple[str, int] | None:
+    """``pid``'s state letter and parent, from /proc; None where it has ended."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    state, parent = stat[stat.rindex(")") + 2:].split()[:2]  # after "pid (comm) "
+    return state, int(parent)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process not yet dead (a zombie is dead, only not reaped)."""
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z"
 
 
 def _under(root: int) -> set[int]:
@@ -116,14 +141,9 @@ def _under(root: int) -> set[int]:
     except OSError:  # not Linux: nothing to find
         return set()
     for name in entries:
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-        except OSError:  # ended meanwhile
-            continue
-        state, parent = stat[stat.rindex(")") + 2:].split()[:2]  # after "pid (comm) "
-        if state != "Z":
-            children.setdefault(int(parent), []).append(int(name))
+        stat = _stat(name)
+        if stat is not None and stat[0] != "Z":  # not ended meanwhile, nor dead
+            children.setdefault(stat[1], []).append(int(name))
     found, todo = set(), [root]
     while todo:
         for child in children.get(todo.pop(), []):

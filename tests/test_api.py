@@ -249,7 +249,8 @@ def test_checkpoint_and_preemption_options_as_objects(tmp_path, monkeypatch):
 
 def test_a_new_engine_is_one_registered_module(tmp_path, monkeypatch):
     """What a module of spotring/engines/ does (register) makes the engine valid in init,
-    in its messages and in the trainer's schema, with its own options."""
+    in its messages (sorted by name, whatever registered first) and in the trainer's
+    schema, with its own options."""
     from dataclasses import dataclass
 
     from hydra.core.config_store import ConfigStore
@@ -259,23 +260,23 @@ def test_a_new_engine_is_one_registered_module(tmp_path, monkeypatch):
     from spotring.trainer import config, validation
 
     @dataclass
-    class LocalOptions(spotring.EngineOptions):
-        name: str = "local"
+    class AloneOptions(spotring.EngineOptions):
+        name: str = "alone"
         ratio: float = 1.0
 
-    class Local(SingleProcess):
-        name = "local"
+    class Alone(SingleProcess):
+        name = "alone"
 
     monkeypatch.setattr(engines, "_registered", dict(engines.registry()))
-    engines.register("local", LocalOptions, create=Local)
-    j = job(tmp_path, engine=LocalOptions(ratio=2.0))
-    assert j.engine.name == "local" and j.finish()["engine"] == "local"
-    with pytest.raises(spotring.ConfigError, match="engine=locla: unknown .did you mean local.*; "
-                                          "valid: ddp, fsdp, horovod, local"):
-        engines.options_for("locla")
+    engines.register("alone", AloneOptions, create=Alone)
+    j = job(tmp_path, engine=AloneOptions(ratio=2.0))
+    assert j.engine.name == "alone" and j.finish()["engine"] == "alone"
+    with pytest.raises(spotring.ConfigError, match="engine=alnoe: unknown .did you mean alone.*; "
+                                          "valid: alone, ddp, fsdp, horovod"):
+        engines.options_for("alnoe")
     config.register()
-    assert ConfigStore.instance().load("schema/engine/local.yaml").node.ratio == 1.0
-    cfg = config.compose(["~engine", "+schema/engine@engine=local", "engine.ratio=3"])
+    assert ConfigStore.instance().load("schema/engine/alone.yaml").node.ratio == 1.0
+    cfg = config.compose(["~engine", "+schema/engine@engine=alone", "engine.ratio=3"])
     validation.validate(cfg)
     assert cfg.engine.ratio == 3
 

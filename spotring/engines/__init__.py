@@ -75,15 +75,16 @@ def register(name: str, options: type[EngineOptions],
 
 
 def registry() -> dict[str, Registered]:
-    """Every engine, by name, once each module of this package has been imported."""
+    """Every engine, sorted by name (the order every list of valid engines shows,
+    whichever module was imported first), once each module of this package has been
+    imported."""
     global _discovered
     if not _discovered:
         _discovered = True
-        # By name: the order every list of valid engines shows, whatever the file system.
-        for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        for module in pkgutil.iter_modules(__path__):
             if not module.name.startswith("_"):
                 importlib.import_module(f"{__name__}.{module.name}")
-    return _registered
+    return dict(sorted(_registered.items()))
 
 
 def _engine(options: EngineOptions) -> Registered:

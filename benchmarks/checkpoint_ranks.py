@@ -8,6 +8,9 @@ about --gb gigabytes, and what its checkpoints cost this rank.
     torchrun ... -m spotring.benchmarks.checkpoint_ranks --gb 1 --run-dir DIR \\
         --steps 17 --save-every 5                                         # periodic mode
 
+--device (auto: the local rank's GPU where there is one) is where the model trains: on a
+GPU a background save copies its share to pinned memory (tools/gpu-check's checkpoint row).
+
 Notice mode trains until a notice (the benchmark sends every rank SIGTERM): each rank
 writes its pid to DIR/ranks/pid-RANK at the start, and rank 0 the number of steps done to
 DIR/ranks/steps after every step. When should_stop() is true, each rank reads VmRSS from
@@ -91,6 +94,8 @@ def parser() -> argparse.ArgumentParser:
                    help="CheckpointOptions(sharded=False): rank 0 alone writes")
     p.add_argument("--steps", type=int, default=0, help="periodic mode: steps to train")
     p.add_argument("--save-every", type=int, default=0, help="periodic mode: steps per save")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="spotring.init's device (auto)")
     return p
 
 
@@ -101,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     options = spotring.CheckpointOptions(uri=args.uri, keep=1,
                                          sharded=False if args.rank0 else None)
     with spotring.init(run_dir=args.run_dir, checkpoint=options, notices="none",
-                       check_every_steps=1) as job:
+                       check_every_steps=1, device=args.device) as job:
         ranks.mkdir(parents=True, exist_ok=True)
         (ranks / f"pid-{job.rank}").write_text(str(os.getpid()))
         model = nn.Sequential(*(nn.Linear(args.width, args.width) for _ in range(blocks)))
@@ -111,7 +116,9 @@ def main(argv: list[str] | None = None) -> None:
         model, optimizer = job.wrap(model, optimizer)
         job.track(model=model, optimizer=optimizer)
         job.restore()
-        x = torch.randn(BATCH, args.width, generator=torch.Generator().manual_seed(job.rank))
+        x = torch.randn(BATCH, args.width,
+                        generator=torch.Generator().manual_seed(job.rank)).to(job.device)
+        synchronize = torch.cuda.synchronize if job.device.type == "cuda" else lambda: None
         records = []
         for step in range(1, (args.steps or SAFETY_STEPS) + 1):
             started = time.perf_counter()
@@ -125,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.save_every and step % args.save_every == 0:
                 kind = ("background", "blocking")[(step // args.save_every - 1) % 2]
                 job.save(background=kind == "background")
+            synchronize()  # the step's seconds are the device's too
             records.append({"step": step, "seconds": time.perf_counter() - started,
                             "save": kind, "in_flight": saving()})
             if job.is_main:

@@ -31,6 +31,9 @@ to end within 9 minutes on one H100.
                      of engine=fsdp against engine=ddp (alone, FSDP      a group of one is
                      shards over a group of one: its cost, not its       the whole model
                      saving across GPUs, which fsdp_memory.py counts)
+    checkpoint       a 4 GB state (weights, AdamW) on every GPU, saved   both kinds of save
+                     every 5 steps to local disk, in the background and  ran
+                     blocking by turns: each kind's stall of a step
 
 The N-GPU checks are skipped on one GPU, and a configuration the trainer refuses here
 (fp16 on a CPU, torch.compile with no compiler or no Triton) is skipped with its words.
@@ -48,15 +51,15 @@ N stopped it (143: SIGTERM, 130: SIGINT).
 
 --tiny: a few steps of each, for `make test` (tests/test_gpu_check.py), so that the kit
 cannot rot: 70% for the MNIST target, one seed, a small convnet on 3x32x32 for ResNet-50,
-a two-block toy GPT for GPT-2 small, and with --device cpu two CPU workers over Gloo
-stand in for N GPUs.
+a two-block toy GPT for GPT-2 small, a 0.02 GB state to checkpoint, and with --device
+cpu two CPU workers over Gloo stand in for N GPUs.
 
 The modules: gpu_kit.py (modes, the kit, a check's result), gpu_mnist.py,
-gpu_equivalence.py (parity, preemption) and gpu_speed.py (throughput, allreduce, fsdp)
-the checks, gpu_report.py results.json and report.md, processes.py the processes and taking
-them down, gpu_bundle.py the bundle. Until the trainer's packages are known to import,
-this imports only the standard library, torch and the parts of benchmarks/ that need
-nothing more; the checks import the rest where they use it.
+gpu_equivalence.py (parity, preemption) and gpu_speed.py (throughput, allreduce, fsdp,
+checkpoint) the checks, gpu_report.py results.json and report.md, processes.py the
+processes and taking them down, gpu_bundle.py the bundle. Until the trainer's packages
+are known to import, this imports only the standard library, torch and the parts of
+benchmarks/ that need nothing more; the checks import the rest where they use it.
 """
 
 from __future__ import annotations
@@ -82,7 +85,13 @@ from spotring.benchmarks.gpu_equivalence import check_parity, check_preemption
 from spotring.benchmarks.gpu_kit import FULL, TINY, Failed, Kit, Result, Skipped
 from spotring.benchmarks.gpu_mnist import check_mnist
 from spotring.benchmarks.gpu_report import HEADER, check_row, describe, save
-from spotring.benchmarks.gpu_speed import VARIANTS, check_allreduce, check_fsdp, check_throughput
+from spotring.benchmarks.gpu_speed import (
+    VARIANTS,
+    check_allreduce,
+    check_checkpoint,
+    check_fsdp,
+    check_throughput,
+)
 from spotring.benchmarks.predict import positive
 
 BUDGET = 540.0  # seconds: the 9 minutes of a 10-minute command, the rest to start and save
@@ -108,6 +117,7 @@ CHECKS = [
     Check("preemption", check_preemption),
     Check("allreduce", check_allreduce, many=True),
     Check("fsdp", check_fsdp),
+    Check("checkpoint", check_checkpoint),
 ]
 
 

@@ -43,6 +43,7 @@ class Mode:
     allreduce_sizes: tuple[int, ...]
     allreduce_budget: float  # seconds of timed calls per size
     fsdp: tuple[str, ...]  # the fsdp check's model and steps: benchmarks/fsdp_ranks.py's options
+    checkpoint: tuple[str, ...]  # the checkpoint check's: benchmarks/checkpoint_ranks.py's
     parallel: int  # checks at once
     run_timeout: float  # seconds a command may take
 
@@ -61,6 +62,7 @@ FULL = Mode("full", seeds=(0, 1, 2), target=0.99, mnist_steps=None, eval_samples
             allreduce_sizes=tuple(sizes(KIB, 256 * KIB**2, 4)), allreduce_budget=0.5,
             fsdp=("--size", "gpt2", "--batch", "8", "--seq", "1024", "--warmup", "3",
                   "--steps", "10", "--precision", "auto"),
+            checkpoint=("--gb", "4", "--steps", "12", "--save-every", "5"),
             parallel=1, run_timeout=300)
 # A few steps each; three checks at once, their numbers are not what is tested.
 TINY = Mode("tiny", seeds=(0,), target=0.7, mnist_steps=30, eval_samples=1000,
@@ -70,6 +72,7 @@ TINY = Mode("tiny", seeds=(0,), target=0.7, mnist_steps=30, eval_samples=1000,
             allreduce_sizes=tuple(sizes(KIB, 64 * KIB, 4)), allreduce_budget=0.02,
             fsdp=("--size", "tiny", "--batch", "2", "--seq", "16", "--warmup", "1", "--steps",
                   "2", "--precision", "auto"),
+            checkpoint=("--gb", "0.02", "--steps", "12", "--save-every", "5"),
             parallel=3, run_timeout=180)
 
 

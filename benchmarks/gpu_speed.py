@@ -6,6 +6,8 @@ what they share):
     allreduce            nccl-tests' bus bandwidth against message size on every device
     fsdp                 tokens/s and peak memory of a GPT-2-small-size model on one
                          device, engine=fsdp against engine=ddp
+    checkpoint           the training stall of a sharded checkpoint of a 4 GB state on
+                         every device: a blocking save against a background one
 """
 
 from __future__ import annotations
@@ -15,7 +17,15 @@ from pathlib import Path
 
 from spotring.benchmarks.allreduce import bandwidth, size_label
 from spotring.benchmarks.gpu_kit import COMPOSING, Failed, Kit, Result, Skipped, rate, torchrun
-from spotring.benchmarks.runs import REPO, Setup, json_line, measure, shown, synthetic
+from spotring.benchmarks.runs import (
+    REPO,
+    Setup,
+    drop_heavy,
+    json_line,
+    measure,
+    shown,
+    synthetic,
+)
 from spotring.benchmarks.stats import mean_ci
 
 # The throughput checks: precision, memory order, compilation.
@@ -107,3 +117,32 @@ def check_fsdp(kit: Kit, result: Result) -> None:
     if shard != whole:
         raise Failed(f"FSDP's shard on a group of one holds {shard} bytes of parameters, "
                      f"the model {whole}")
+
+
+def check_checkpoint(kit: Kit, result: Result) -> None:
+    """benchmarks/checkpoint_ranks.py's periodic mode on every device: a state of the
+    mode's size (weights and AdamW's moments; 4 GB on a GPU) saved every few steps to
+    local disk, the saves taking turns: in the background (each rank's share copied to
+    pinned memory, written while training goes on), then blocking. The figures: each
+    kind's stall (its step less a quiet one) and the blocking save's rate."""
+    from spotring.benchmarks.checkpoint_scaling import stalls
+
+    run_dir = kit.run_dir("checkpoint")
+    command = torchrun(kit.devices, [*kit.mode.checkpoint, "--run-dir", str(run_dir),
+                                     "--device", kit.device],
+                       module="spotring.benchmarks.checkpoint_ranks")
+    result.commands.append(shown(command))
+    kit.run(command)
+    drop_heavy(run_dir)
+    run = json.loads((run_dir / "ranks" / "steps.json").read_text())
+    found = stalls(run)
+    if set(found) != {"background", "blocking"}:
+        raise Failed(f"the run saved {sorted(found)}, not both kinds; see {run_dir}")
+    background, blocking = found["background"]["stall"], found["blocking"]["stall"]
+    result.figures = {"state_bytes": run["state_bytes"], "world_size": run["world_size"],
+                      "save_every": run["save_every"], **found, "command": shown(command)}
+    result.summary = (
+        f"{run['state_bytes'] / 1e9:.2g} GB on {run['world_size']} ranks: a blocking save "
+        f"stalls a step {blocking:.2f} s ({run['state_bytes'] / 1e9 / max(blocking, 1e-9):.2f}"
+        f" GB/s), a background one {background:.2f} s "
+        f"({background / max(blocking, 1e-9):.2f}x)")

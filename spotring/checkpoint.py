@@ -279,13 +279,14 @@ class Checkpoints:
                 log.warning("skipping checkpoint: %s", e)
         return None
 
-    def save(self, state: dict[str, Any], meta: dict[str, Any],
+    def save(self, state: Any, meta: dict[str, Any],
              extras: dict[str, Any] | None = None, comm: Any = None,
              cleans: bool = True) -> Saved:
         """Write the checkpoint of step ``meta['step']`` (a collective over ``comm``, a
         spotring.sharded.Comm; None: this process alone): every rank its part of
-        ``state`` (DCP: tensors, sharded or alike on every rank) into its checkpoint
-        directory, rank 0 ``extras`` (torch.save: positions, RNG states) beside them;
+        ``state`` (DCP: tensors, sharded or alike on every rank; or a sharded.Staged
+        copy of this rank's share) into its checkpoint directory, rank 0 ``extras``
+        (torch.save: positions, RNG states) beside them;
         each rank reads its files back, uploads them with a uri, and reports; rank 0
         then writes the manifest to every store that holds every part (the checkpoint
         directory only where the ranks share it, or are one) and drops the checkpoints

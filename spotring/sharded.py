@@ -2,7 +2,8 @@
 
     comm = Comm(group, rank, world_size)          # the checkpoint's collectives
     files = write(state, folder, comm)            # this rank's files in folder
-    staged = Stager(pinned).stage(state)          # a copy in CPU memory, to write later
+    staged = Stager(pinned).stage(state, comm)    # this rank's share, copied to CPU memory
+    files = write(staged, folder, comm)           # ... and written later, on any thread
     read(state, LocalFolder(path) or S3Folder(store, folder), comm)   # in place
 
 DCP (``torch.distributed.checkpoint``) plans a save across the ranks: a sharded tensor
@@ -33,12 +34,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from spotring.stores import S3Store
 
-__all__ = ["ALONE", "CheckpointException", "Comm", "LocalFolder", "S3Folder", "Stager",
-           "failures", "load_whole", "read", "write"]
+__all__ = ["ALONE", "CheckpointException", "Comm", "LocalFolder", "S3Folder", "Staged",
+           "Stager", "failures", "load_whole", "read", "write"]
 
 # DCP's global metadata file in a checkpoint's folder, written by rank 0.
 METADATA = ".metadata"
@@ -91,32 +95,92 @@ class _PartWriter(dcp.FileSystemWriter):
         return future
 
 
-def write(state: dict[str, Any], folder: Path, comm: Comm) -> list[str]:
+def write(state: dict[str, Any] | Staged, folder: Path, comm: Comm) -> list[str]:
     """Save ``state`` (a collective over ``comm``): every rank writes its part into
-    ``folder`` (each host its own, where the ranks do not share a disk). Returns the
-    names, in ``folder``, of the files this rank wrote (rank 0's include .metadata)."""
+    ``folder`` (each host its own, where the ranks do not share a disk). ``state``: the
+    tensors themselves, or this rank's share of them as a Stager copied it (the same
+    plan: each rank writes what it copied). Returns the names, in ``folder``, of the files
+    this rank wrote (rank 0's include .metadata)."""
     folder.mkdir(parents=True, exist_ok=True)
     # overwrite: a save killed before its manifest left parts of this step, which the
     # manifest will not list (and the next save removes).
     writer = _PartWriter(folder, overwrite=True)
+    planner = _StagedPlanner(state) if isinstance(state, Staged) else None
     with _alone_is_meant(comm):
-        dcp.save(state, storage_writer=writer, process_group=comm.group, no_dist=comm.alone)
+        dcp.save({} if planner else state, storage_writer=writer, planner=planner,
+                 process_group=comm.group, no_dist=comm.alone)
     return writer.written + ([METADATA] if comm.rank == 0 else [])
 
 
+@dataclass(frozen=True)
+class Staged:
+    """This rank's share of a save, planned with the other ranks and copied: ``plan`` (the
+    pieces this rank writes, as DCP's planner assigned them) and ``copies`` (each piece's
+    tensor in CPU memory, or an object's bytes), by piece."""
+
+    plan: SavePlan
+    copies: dict[MetadataIndex, torch.Tensor | bytes]
+
+
 class Stager:
-    """Copies of state dicts in CPU memory, for a save that writes them while training
-    goes on. ``pinned`` (GPUs): the copies live in page-locked memory, kept from one save
-    to the next, so the copy runs at the bus's speed; else a new copy each time."""
+    """Copies of each rank's share of a state, for a save that writes them while training
+    goes on. The ranks plan the save first (a collective: DCP's plan of who writes what),
+    so that each copies only the pieces it will write: about 1/W of a state every rank
+    holds alike (DDP, Horovod), its own shards under FSDP. The copies' buffers are kept
+    from one save to the next (a fresh copy of a large state costs as much again in page
+    faults); ``pinned`` (GPUs): in page-locked memory, so the copy runs at the bus's
+    speed."""
 
     def __init__(self, pinned: bool) -> None:
-        from torch.distributed.checkpoint.staging import BlockingAsyncStager
+        self.pinned = pinned
+        self._buffers: dict[MetadataIndex, torch.Tensor] = {}
 
-        self._stager = BlockingAsyncStager(cache_staged_state_dict=pinned)
+    def stage(self, state: dict[str, Any], comm: Comm) -> Staged:
+        """This rank's share of ``state`` (a collective over ``comm``), copied."""
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state, is_coordinator=comm.rank == 0)
+        local = planner.create_local_plan()
+        # Every rank plans every rank's share as the coordinator will: the same plans in,
+        # the same assignment out.
+        mine = {item.index for item in planner.create_global_plan(
+            comm.all_gather(local))[0][comm.rank].items}
+        plan = SavePlan([item for item in local.items if item.index in mine],
+                        planner_data=local.planner_data)
+        copies = {item.index: self._copy(item, planner.resolve_data(item))
+                  for item in plan.items}
+        if self.pinned:  # the copies from the GPU were asynchronous
+            torch.cuda.synchronize()
+        self._buffers = {i: c for i, c in copies.items() if isinstance(c, torch.Tensor)}
+        return Staged(plan, copies)
 
-    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
-        """A copy of ``state``'s tensors (DTensors stay DTensors) in CPU memory."""
-        return self._stager.stage(state)
+    def _copy(self, item: WriteItem, data: torch.Tensor | io.BytesIO) -> torch.Tensor | bytes:
+        if item.type == WriteItemType.BYTE_IO:
+            return data.getvalue()
+        buffer = self._buffers.get(item.index)
+        if buffer is None or buffer.shape != data.shape or buffer.dtype != data.dtype:
+            buffer = torch.empty(data.shape, dtype=data.dtype, device="cpu",
+                                 pin_memory=self.pinned)
+        return buffer.copy_(data.detach(), non_blocking=self.pinned)
+
+
+class _StagedPlanner(DefaultSavePlanner):
+    """DCP's planner for a share a Stager copied: this rank's plan and data are the
+    copies, so the save never reads the live tensors training goes on changing."""
+
+    def __init__(self, staged: Staged) -> None:
+        super().__init__()
+        self.staged = staged
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = self.staged.plan
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        data = self.staged.copies[write_item.index]
+        return io.BytesIO(data) if isinstance(data, bytes) else data
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,10 @@ the ranks share one host (one disk) or checkpoint.uri names S3; where they run o
 of their own with nothing shared, rank 0 gathers the whole state and writes it alone, as
 spotring did before sharded checkpoints, and restores it by sending each rank its part.
 
-A background save (``background=True``) returns once the state is copied to CPU memory;
-a thread writes, uploads and publishes it while training goes on; at most one is in
-flight, and any other save, a restore or the end of the job first waits for it.
+A background save (``background=True``) returns once this rank's share of the state (the
+pieces it will write) is copied to CPU memory; a thread writes, uploads and publishes it
+while training goes on; at most one is in flight, and any other save, a restore or the
+end of the job first waits for it.
 spotring.Job holds one State; this module knows nothing of notices, metrics or exit codes.
 """
 
@@ -145,7 +146,7 @@ class State:
         if background:
             if self._stager is None:
                 self._stager = sharded.Stager(pinned=self.engine.device.type == "cuda")
-            state = self._stager.stage(state)
+            state = self._stager.stage(state, comm)
             self._pending = threading.Thread(
                 target=self._write_in_background, args=(state, meta, extras, comm),
                 name=f"spotring-checkpoint-{step}", daemon=True)
@@ -155,8 +156,8 @@ class State:
         self.saved_step = step
         return self._write(state, meta, extras, comm)
 
-    def _write(self, state: dict[str, Any], meta: dict[str, Any], extras: dict[str, Any],
-               comm: sharded.Comm) -> Saved:
+    def _write(self, state: dict[str, Any] | sharded.Staged, meta: dict[str, Any],
+               extras: dict[str, Any], comm: sharded.Comm) -> Saved:
         saved = self.checkpoints.save(state, meta, extras, comm,
                                       cleans=self.engine.local_rank == 0)
         self.saved = saved

@@ -129,6 +129,10 @@ def test_the_cpu_mode_runs_every_check_and_reports_each_figure(tmp_path):
         assert fsdp[engine]["engine"] == engine and fsdp[engine]["world_size"] == 1
         assert fsdp[engine]["tokens_per_second"] > 0
         assert fsdp[engine]["ranks"][0]["peak_memory_mib"] > 0
+    saves = checks["checkpoint"]["figures"]
+    assert saves["world_size"] == 2 and saves["state_bytes"] >= 0.02e9
+    for kind in ("background", "blocking"):
+        assert saves[kind]["saves"] >= 1 and saves[kind]["save_step"] > 0
     # Its runs keep their records, not their checkpoints: OUTDIR is for committing.
     assert (out / "runs" / "mnist-w1-s0" / "summary.json").is_file()
     assert not list(out.glob("runs/*/checkpoints"))

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import spotring
-from spotring import runtime
+from spotring import runtime, sharded
 from spotring.checkpoint import (
     Checkpoints,
     files_of,
@@ -307,3 +307,47 @@ def test_a_checkpoint_slower_than_the_notice_is_told_once_with_what_would_fit(
     told = [r.getMessage() for r in caplog.records if "more than the 1e-06 s" in r.getMessage()]
     assert len(told) == 1, caplog.text
     assert "from the busiest of 1 ranks" in told[0] and "workers would write" in told[0]
+
+
+class Replicas(sharded.Comm):
+    """``world_size`` ranks that hold the same state (DDP's replicas), planned in this one
+    process: every rank's plan is this rank's."""
+
+    def all_gather(self, obj):
+        return [obj] * self.world_size
+
+
+def test_a_background_save_copies_only_the_pieces_its_rank_writes():
+    model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(8)))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+    state = {"model": get_model_state_dict(model),
+             "optimizer": get_optimizer_state_dict(model, optimizer)}
+    total = sum(t.numel() * t.element_size() for t in state["model"].values()) * 3
+    for world in (2, 3):
+        shares = [sharded.Stager(pinned=False).stage(state, Replicas(rank=r, world_size=world))
+                  for r in range(world)]
+        pieces = [set(share.copies) for share in shares]
+        # Every piece is copied by exactly one rank, ...
+        assert sum(map(len, pieces)) == len(set().union(*pieces))
+        assert set().union(*pieces) == set(sharded.Stager(False).stage(state, sharded.ALONE)
+                                           .copies)
+        # ... and no rank copies much more than its share (within one block's tensors).
+        copied = [sum(c.numel() * c.element_size() for c in s.copies.values()
+                      if isinstance(c, torch.Tensor)) for s in shares]
+        assert max(copied) <= total / world + 3 * 4 * 64 * 64, (world, copied)
+
+
+def test_a_staged_copy_is_the_state_of_its_step_and_the_next_one_reuses_its_memory():
+    model = nn.Linear(16, 16)
+    stager = sharded.Stager(pinned=False)
+    first = stager.stage({"model": get_model_state_dict(model)}, sharded.ALONE)
+    (weight,) = [c for i, c in first.copies.items() if i.fqn == "model.weight"]
+    then = weight.clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)  # training goes on
+    assert torch.equal(weight, then)
+    second = stager.stage({"model": get_model_state_dict(model)}, sharded.ALONE)
+    (again,) = [c for i, c in second.copies.items() if i.fqn == "model.weight"]
+    assert again.data_ptr() == weight.data_ptr() and torch.equal(again, then + 1.0)

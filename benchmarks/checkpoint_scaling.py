@@ -48,6 +48,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import sys
@@ -163,7 +164,9 @@ def _steps(ranks: Path) -> int:
 
 def notice_once(gigabytes: float, workers: int, mode: str, run_dir: Path, s3: dict | None,
                 steps_before: int) -> dict:
-    """One run: train, SIGTERM every rank after ``steps_before`` steps, and what it left."""
+    """One run: train, SIGTERM every rank after ``steps_before`` steps, and what it left
+    (in ``run_dir``, emptied first: a pid or step file of an earlier run would be read)."""
+    shutil.rmtree(run_dir, ignore_errors=True)
     uri = f"s3://{BUCKET}/{run_dir.name}" if s3 else None
     command = local_command("torchrun", workers, [
         "--gb", str(gigabytes), "--run-dir", str(run_dir),
@@ -230,7 +233,8 @@ def _delete_prefix(client, prefix: str) -> None:
 
 def periodic_once(gigabytes: float, run_dir: Path, steps: int, save_every: int) -> dict:
     """(d): one 2-worker run saving every ``save_every`` steps to local disk, its saves
-    taking turns: background, blocking, background..."""
+    taking turns: background, blocking, background... (``run_dir`` emptied first)."""
+    shutil.rmtree(run_dir, ignore_errors=True)
     command = local_command("torchrun", 2, [
         "--gb", str(gigabytes), "--run-dir", str(run_dir), "--steps", str(steps),
         "--save-every", str(save_every)], module=MODULE)
@@ -297,9 +301,11 @@ def measure(args: argparse.Namespace, folder: Path) -> dict:
 def stalls(run: dict) -> dict:
     """(d)'s figures of each kind of save: the median seconds of the quiet steps (no save
     in them, none in flight at their end or the step before), the mean of the steps that
-    saved, the stall (their difference), the steps a background write overlapped, and the
-    extra seconds of the steps from the save to the next save (or the end) over as many
-    quiet ones: the write slowing the steps it overlaps counts there too."""
+    saved (but those that first waited for a background write still in flight, where
+    some did not: their stall is that write's too), the stall (their difference), the
+    steps a background write overlapped, and the extra seconds of the steps from the save
+    to the next save (or the end) over as many quiet ones: the write slowing the steps it
+    overlaps counts there too."""
     steps = [s for s in run["steps"] if s["step"] > WARMUP_STEPS]
     # A background write was in flight at the step's start or end.
     writing = {s["step"] for s in steps if s["in_flight"]}
@@ -317,10 +323,12 @@ def stalls(run: dict) -> dict:
             after = [s for s in steps if s["step"] >= save["step"]]
             end = next((s["step"] for s in after[1:] if s["save"]), None)
             spans.append([s["seconds"] for s in after if end is None or s["step"] < end])
-        mean = statistics.mean(s["seconds"] for s in saves)
+        waited = [s for s in saves if s["step"] - 1 in writing]
+        mean = statistics.mean(s["seconds"] for s in
+                               [s for s in saves if s not in waited] or saves)
         found[kind] = {
             "quiet_step": base, "save_step": mean, "stall": mean - base, "saves": len(saves),
-            "waited": sum(1 for s in saves if s["step"] - 1 in writing),
+            "waited": len(waited),
             "overlapped_steps": sum(1 for s in steps if not s["save"] and s["step"] in busy
                                     and kind == "background"),
             "extra_total": statistics.mean(sum(span) - len(span) * base for span in spans)}
@@ -464,8 +472,10 @@ def render(folder: Path, results: dict) -> Path:
                "extra seconds per save"], periodic_rows),
         "Quiet steps: no save in them and no background write in flight at their end or "
         "the step before (median, both kinds). Stall: the mean of the steps that saved "
-        "less a quiet step. Extra seconds per save: the steps from a save to the next one "
-        "(or the end) less as many quiet steps, which also counts the background write "
+        "less a quiet step, leaving out those that first waited for a write in flight "
+        "(their stall is that write's too) where others did not. Extra seconds per save: "
+        "the steps from a save to the next one (or the end) less as many quiet steps, "
+        "which also counts the background write "
         f"slowing the steps it overlaps. The first {WARMUP_STEPS} steps are left out.",
     ]
     if section["skipped"]:

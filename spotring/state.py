@@ -199,9 +199,14 @@ class State:
             math.ceil(world * spent / window))
 
     def _check_finite(self, step: int) -> None:
-        bad = any(not bool(torch.isfinite(_local(p)).all())
-                  for obj in self.tracked.values() if isinstance(obj, nn.Module)
-                  for p in obj.parameters())
+        # A sum is NaN or infinite where any element is (or where the weights are so
+        # large that it overflows: diverged too), at a tenth of isfinite's cost, which a
+        # background save's stall would pay. Summed in float32 at least: a float16 sum of
+        # a large layer of ones would overflow.
+        sums = [_local(p).sum(dtype=torch.promote_types(p.dtype, torch.float32)).double()
+                for obj in self.tracked.values() if isinstance(obj, nn.Module)
+                for p in obj.parameters()]
+        bad = bool(sums) and not bool(torch.isfinite(torch.stack(sums)).all())
         if self.engine.world_size > 1:  # FSDP's ranks hold different shards: agree
             votes = torch.tensor([float(bad)], device=self.engine.device)
             bad = bool(self.engine.all_reduce_sum(votes, "finite").item() > 0)

@@ -133,11 +133,21 @@ def test_a_non_finite_loss_or_weights_is_a_divergence(tmp_path):
     j.check_finite(torch.tensor(1.0))
     with pytest.raises(Diverged, match="the train loss is nan at step 0"):
         j.check_finite(float("nan"))
-    with torch.no_grad():
-        model.weight.fill_(float("inf"))
-    with pytest.raises(Diverged, match="the weights are not finite"):
-        j.save()
-    assert not (tmp_path / "checkpoints").exists()
+    # A float16 layer of ones larger than float16's range is finite.
+    norm = torch.nn.LayerNorm(70_000, dtype=torch.float16)
+    j.track(norm=norm)
+    j.save(background=False)
+    for bad in ([float("nan")], [float("inf")], [float("inf"), float("-inf")]):
+        with torch.no_grad():
+            model.weight.zero_()
+            model.weight.view(-1)[:len(bad)] = torch.tensor(bad)
+        with pytest.raises(Diverged, match="the weights are not finite"):
+            j.save()
+    from spotring.checkpoint import folder_name, manifest_name
+
+    # Only the finite step 0's.
+    assert {p.name for p in (tmp_path / "checkpoints").iterdir()} == {folder_name(0),
+                                                                       manifest_name(0)}
     j.close()
 
 

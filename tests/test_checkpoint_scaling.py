@@ -42,3 +42,17 @@ def test_the_quick_benchmark_runs_end_to_end(tmp_path):
     assert section["verdicts"]["stall"] is not None
     report = (folder / "report.md").read_text()
     assert "## Goals" in report and "## (d) Periodic saves" in report
+
+
+def test_a_save_that_waited_for_a_write_in_flight_is_left_out_of_its_stall():
+    def step(n, seconds, save=None, in_flight=False):
+        return {"step": n, "seconds": seconds, "save": save, "in_flight": in_flight}
+
+    run = {"steps": [step(1, 9.0), step(2, 9.0), step(3, 1.0), step(4, 1.5, "background", True),
+                     step(5, 1.0), step(6, 5.0, "blocking"), step(7, 1.0), step(8, 1.0),
+                     step(9, 1.5, "background", True), step(10, 7.0, "blocking"),
+                     step(11, 1.0)]}
+    found = bench.stalls(run)
+    # Step 10 began with step 9's write in flight: its 6 s are that write's too.
+    assert found["blocking"]["stall"] == 4.0 and found["blocking"]["waited"] == 1
+    assert found["background"]["stall"] == 0.5 and found["background"]["waited"] == 0

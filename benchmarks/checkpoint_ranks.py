@@ -18,7 +18,7 @@ DIR/ranks/steps after every step. When should_stop() is true, each rank reads Vm
 job.save_and_exit(), and on its SystemExit writes DIR/ranks/memory-RANK.json: VmRSS before,
 VmHWM during the save, the time the ranks agreed to stop, then exits as save_and_exit
 does (75, and rank 0's preempted.json in DIR). --rank0: CheckpointOptions(sharded=False),
-rank 0 gathers the state and writes it alone (spotring before sharded checkpoints).
+rank 0 gathers the state and writes it alone.
 
 Periodic mode trains --steps steps and saves every --save-every steps, the saves taking
 turns: the first job.save() in the background (the default), the second

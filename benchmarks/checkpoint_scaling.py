@@ -12,7 +12,6 @@ order alternating from cell to cell, so that the machine's drift falls on both a
 worker is one writer either way, and runs once:
 
     rank0     CheckpointOptions(sharded=False): rank 0 gathers the state, writes it alone
-              (what spotring did before sharded checkpoints)
     sharded   the default: every rank writes its part (DCP), reads it back and uploads it
 
 After a few steps (--steps-before) the benchmark sends SIGTERM to every rank, as an
@@ -452,8 +451,8 @@ def render(folder: Path, results: dict) -> Path:
         "figure less the step in progress and the next (the vote is read a step late). "
         "Extra memory: VmHWM during the save less VmRSS before it, each rank. moto MB/s: "
         "the checkpoint's bytes over saved_at - local_saved_at (the uploads after the "
-        "slowest local copy, and the manifest): one Python process on this machine, "
-        "reported, not tuned. One worker is one writer whatever the mode (measured once).",
+        "slowest local copy, and the manifest): one Python process, reported, "
+        "not tuned. One worker is one writer whatever the mode (run once).",
         "Noise: rank 0 alone writes the same bytes on 1, 2 and 4 workers; its save to "
         "local took " + "; ".join(f"{low:.2f} to {high:.2f} s at {gb} GB" for gb, (low, high)
                                   in sorted(section["rank0_spread"].items())) + ".",
@@ -461,7 +460,7 @@ def render(folder: Path, results: dict) -> Path:
         "Each node its own disk and network: a sharded save is one rank's share at one "
         "writer's rate, the 1-worker rank-0 run's (bytes of the busiest rank / that run's "
         "bytes x its seconds; to S3, moto's one-writer rate). Rank 0 alone stays at the "
-        "1-worker time (plus the gather over the network, not measured here).",
+        "1-worker time (plus the gather over the network, not measured).",
         table(["GB", "N", "save to local (s)", "save to S3 (s)"], nodes),
         "## Goals",
         "\n".join(verdict_lines),

@@ -24,8 +24,8 @@ wrong weights: a checkpoint with a part missing, short or corrupt is reported, n
 the part, and skipped for the next older one. resume=auto takes the newest valid
 checkpoint of all stores.
 
-Format 1, a single ckpt-NNNNNNNNN.pt beside its manifest (spotring before sharded
-checkpoints), is read too; a manifest of a newer format than FORMAT is refused
+Format 1, a single ckpt-NNNNNNNNN.pt beside its manifest (one file of the whole state),
+is read too; a manifest of a newer format than FORMAT is refused
 (ConfigError, exit 2): this spotring cannot know what it holds, and skipping it would
 resume from an older checkpoint.
 """

@@ -16,8 +16,8 @@ verifies the parts).
 
 Who writes: every rank its part where every rank can read every part back, that is where
 the ranks share one host (one disk) or checkpoint.uri names S3; where they run on hosts
-of their own with nothing shared, rank 0 gathers the whole state and writes it alone, as
-spotring did before sharded checkpoints, and restores it by sending each rank its part.
+of their own with nothing shared, rank 0 gathers the whole state and writes it alone,
+and restores it by sending each rank its part.
 
 A background save (``background=True``) returns once this rank's share of the state (the
 pieces it will write) is copied to CPU memory; a thread writes, uploads and publishes it

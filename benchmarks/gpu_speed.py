@@ -125,7 +125,7 @@ def check_checkpoint(kit: Kit, result: Result) -> None:
     local disk, the saves taking turns: in the background (each rank's share copied to
     pinned memory, written while training goes on), then blocking. The figures: each
     kind's stall (its step less a quiet one) and the blocking save's rate."""
-    from spotring.benchmarks.checkpoint_scaling import stalls
+    from spotring.benchmarks.checkpoint_scaling_report import stalls
 
     run_dir = kit.run_dir("checkpoint")
     command = torchrun(kit.devices, [*kit.mode.checkpoint, "--run-dir", str(run_dir),

@@ -1,5 +1,6 @@
-"""benchmarks/checkpoint_scaling.py: the bytes of each rank read from a manifest, and its
---quick mode end to end (torchrun, a moto S3 server, SIGTERM to every rank)."""
+"""benchmarks/checkpoint_scaling.py and its report: the bytes of each rank read from a
+manifest, the stall of each kind of save, and its --quick mode end to end (torchrun, a moto
+S3 server, SIGTERM to every rank)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from spotring.benchmarks import checkpoint_scaling as bench
 from spotring.benchmarks.checkpoint_ranks import blocks_for, state_bytes
+from spotring.benchmarks.checkpoint_scaling_report import stalls
 
 
 def test_each_part_counts_for_the_rank_that_wrote_it():
@@ -52,7 +54,7 @@ def test_a_save_that_waited_for_a_write_in_flight_is_left_out_of_its_stall():
                      step(5, 1.0), step(6, 5.0, "blocking"), step(7, 1.0), step(8, 1.0),
                      step(9, 1.5, "background", True), step(10, 7.0, "blocking"),
                      step(11, 1.0)]}
-    found = bench.stalls(run)
+    found = stalls(run)
     # Step 10 began with step 9's write in flight: its 6 s are that write's too.
     assert found["blocking"]["stall"] == 4.0 and found["blocking"]["waited"] == 1
     assert found["background"]["stall"] == 0.5 and found["background"]["waited"] == 0

@@ -1,9 +1,11 @@
-"""A fault-injecting HTTP proxy in front of the moto server: AWS that fails one call.
+"""A fault-injecting HTTP proxy in front of the moto server: AWS that fails one call,
+or S3 as slow as a test wants.
 
-The launcher's clients talk to it through AWS_ENDPOINT_URL as they would to AWS; every
-request goes on to moto, except the attempts of the call chosen to fail, which get an
-AWS error over HTTP (an internal error, throttling) or a connection dropped without an
-answer. botocore's own retries see them as they would AWS's.
+The clients talk to it through AWS_ENDPOINT_URL as they would to AWS; every request goes
+on to moto, except the attempts of the call chosen to fail, which get an AWS error over
+HTTP (an internal error, throttling) or a connection dropped without an answer.
+botocore's own retries see them as they would AWS's. While the proxy is held, requests
+wait there, unanswered, until it is released.
 
 A call is one botocore operation: its retries carry the same amz-sdk-invocation-id
 header, so the proxy counts calls, not attempts, and can fail a call's first attempt
@@ -29,6 +31,7 @@ FAULTS = {
     "reset": None,
 }
 UPSTREAM_TIMEOUT_S = 30  # moto answers in milliseconds; a hung moto fails the test instead
+HELD_AT_MOST_S = 120  # a test that never releases the proxy fails instead of hanging
 
 
 def in_turn(i: int) -> str:
@@ -65,6 +68,8 @@ class FaultProxy:
         self._ids: dict[str, int] = {}  # invocation id -> its call's number
         self._rule: Rule | None = None
         self._lock = threading.Lock()
+        self._open = threading.Event()
+        self._open.set()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
@@ -80,7 +85,15 @@ class FaultProxy:
             self.calls, self.failed, self._ids = [], [], {}
             self._rule = rule
 
+    def hold(self) -> None:
+        """Requests from now on wait here, unanswered, until ``release``."""
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
     def stop(self) -> None:
+        self._open.set()
         self._server.shutdown()
         self._server.server_close()
 
@@ -105,11 +118,15 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
         def do_POST(self):
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             target = self.headers.get("X-Amz-Target")  # the JSON protocol names it here
-            operation = (target.rsplit(".", 1)[-1] if target else
-                         urllib.parse.parse_qs(body.decode()).get("Action", ["?"])[0])
             # The service is in the signature's credential scope: KEY/DATE/REGION/SERVICE/...
             scope = self.headers.get("Authorization", "").split("Credential=")[-1].split("/")
             service = scope[3] if len(scope) > 3 else "?"
+            if target:
+                operation = target.rsplit(".", 1)[-1]
+            elif service == "s3":  # REST: the method and the object say what it is
+                operation = f"{self.command} {urllib.parse.urlsplit(self.path).path}"
+            else:
+                operation = urllib.parse.parse_qs(body.decode()).get("Action", ["?"])[0]
             # "ttl=...; attempt=2; max=2" on a retry, "attempt=1; max=2" before
             retry = dict(item.strip().split("=", 1) for item in
                          self.headers.get("amz-sdk-request", "attempt=1").split(";"))
@@ -125,28 +142,35 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                 status, query_code, json_code = FAULTS[fault]
                 self._answer(status, *_error(json_code if target else query_code, bool(target)))
                 return
+            if not proxy._open.wait(HELD_AT_MOST_S):
+                raise TimeoutError(f"the proxy was held over {HELD_AT_MOST_S} s")
             self._forward(body)
 
-        do_GET = do_POST  # noqa: N815 (http.server's naming)
+        do_GET = do_PUT = do_HEAD = do_DELETE = do_POST  # noqa: N815 (http.server's naming)
 
         def _forward(self, body: bytes) -> None:
             upstream = http.client.HTTPConnection(proxy.upstream, timeout=UPSTREAM_TIMEOUT_S)
             try:
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                # This server answered any "Expect: 100-continue" itself.
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in ("host", "expect")}
                 upstream.request(self.command, self.path, body=body, headers=headers)
                 reply = upstream.getresponse()
                 data = reply.read()
                 kept = [(k, v) for k, v in reply.getheaders() if k.lower() not in (
                     "content-length", "transfer-encoding", "connection")]
-                self._answer(reply.status, kept, data)
+                # A HEAD's answer has no body but the length of the object it describes.
+                length = reply.getheader("Content-Length") if self.command == "HEAD" else None
+                self._answer(reply.status, kept, data, length)
             finally:
                 upstream.close()
 
-        def _answer(self, status: int, headers: list[tuple[str, str]], data: bytes) -> None:
+        def _answer(self, status: int, headers: list[tuple[str, str]], data: bytes,
+                    length: str | None = None) -> None:
             self.send_response(status)
             for key, value in headers:
                 self.send_header(key, value)
-            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Content-Length", length or str(len(data)))
             self.end_headers()
             self.wfile.write(data)
 

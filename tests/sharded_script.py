@@ -4,6 +4,7 @@ batch of 12 splits over 1, 2, 3 and 4 workers, so that any run of it ends with o
 uninterrupted run's weights to 1e-10 (tests/test_sharded.py).
 
     python train.py --engine fsdp --steps 16 --save-every 4 [--width 128 --sleep 0]
+        [--vote-every N]
 
 It restores the newest checkpoint, prints ``step N loss L`` (the loss averaged over the
 ranks, on stderr, rank 0) every step, stops on a notice with exit 75, saves every
@@ -45,6 +46,7 @@ p.add_argument("--save-every", type=int, default=4)
 p.add_argument("--width", type=int, default=128)
 p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--blocking", action="store_true")
+p.add_argument("--vote-every", type=int)  # default: spotring's own interval
 args = p.parse_args()
 
 
@@ -76,7 +78,7 @@ x = torch.randn(96, 8, generator=g, dtype=torch.float64)
 y = torch.sin(x.sum(1)) + 0.1 * torch.randn(96, generator=g, dtype=torch.float64)
 data = torch.utils.data.TensorDataset(x, y)
 
-with spotring.init(engine=args.engine, seed=0) as job:
+with spotring.init(engine=args.engine, seed=0, check_every_steps=args.vote_every) as job:
     model = Net(args.width)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = job.loader(data, 12)

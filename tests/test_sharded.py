@@ -2,7 +2,8 @@
 world size under any engine with the samples and weights of one uninterrupted run.
 
 Real processes (torchrun, Gloo) run tests/sharded_script.py, a user's float64 script;
-S3 is the moto server (tests/aws.py). Each resumed run is compared with one
+S3 is the moto server (tests/aws.py), behind tests/faults.py's proxy where a test
+holds the uploads. Each resumed run is compared with one
 uninterrupted run alone: its weights to 1e-10, and its per-step loss (the same samples
 give the same loss) to 1e-10.
 """
@@ -16,7 +17,6 @@ import os
 import random
 import shutil
 import signal
-import threading
 
 import pytest
 import torch
@@ -39,6 +39,7 @@ from spotring.checkpoint import (
 from spotring.exits import EXIT_PREEMPTED
 from tests import sharded_script as script
 from tests.conftest import assert_close
+from tests.faults import FaultProxy
 
 STEPS, HALF = 16, 8
 
@@ -172,23 +173,44 @@ def test_a_corrupt_or_missing_part_is_named_and_the_checkpoint_before_restored(
 
 @pytest.mark.slow
 def test_a_notice_while_a_background_save_is_in_flight_ends_75_with_a_complete_checkpoint(
-        project, tmp_path, reference):
+        project, tmp_path, reference, s3):
+    """S3 sits behind a proxy that the test holds once training runs: the background
+    save's uploads wait there, unanswered, while training goes on and a notice comes."""
+    proxy = FaultProxy(s3["AWS_ENDPOINT_URL"])
+    uri = "s3://spotring/notice-in-flight"
+    env = s3 | {"AWS_ENDPOINT_URL": proxy.endpoint, "SPOTRING_CHECKPOINT_URI": uri}
     run_dir = tmp_path / "run"
-    args = ("--engine", "fsdp", "--steps", str(STEPS), "--save-every", "4",
-            "--sleep", "0.1")
-    with script.Started(project, run_dir, 2, *args) as job:
-        began = save_in_flight(job, run_dir, 2)
-        assert began, job.output()[-4000:]
-        os.kill(job.pids()[1], signal.SIGTERM)  # a notice on one rank
-        code = job.wait()
-        output = job.output()
+    # One save, at step 8, which the notice finds in flight: the ranks vote every step,
+    # so they agree to stop before the end, which waits for it.
+    args = ("--engine", "fsdp", "--steps", str(STEPS), "--save-every", str(HALF),
+            "--sleep", "0.1", "--vote-every", "1")
+    try:
+        with script.Started(project, run_dir, 2, *args, **env) as job:
+            assert job.until(lambda: len(job.pids()) == 2 and job.step() >= 1, "step 1")
+            proxy.hold()
+            began = save_in_flight(job, run_dir, 2)
+            assert began, job.output()[-4000:]
+            # Steps are taken between the start of the background save and its manifest.
+            assert job.until(lambda: job.step() >= began + 2, f"step {began + 2}")
+            assert not (run_dir / "checkpoints" / manifest_name(began)).exists()
+            os.kill(job.pids()[1], signal.SIGTERM)  # a notice on one rank
+            assert job.until(lambda: "the ranks agreed to stop" in job.output(),
+                             "the ranks' agreement to stop")
+            proxy.release()
+            code = job.wait()
+            output = job.output()
+    finally:
+        proxy.stop()
     assert f"exitcode  : {EXIT_PREEMPTED}" in output, (code, output[-5000:])
     note = json.loads((run_dir / "preempted.json").read_text())
-    newest = Checkpoints(run_dir / "checkpoints", keep=3).newest_valid()
-    assert newest.step == note["step"] >= began
-    assert f"checkpoint {run_dir / 'checkpoints' / folder_name(began)}," in output
+    assert note["step"] > began
+    for checkpoints in (Checkpoints(run_dir / "checkpoints", keep=3),  # on disk
+                        Checkpoints(tmp_path / "elsewhere", keep=3, uri=uri)):  # on S3 alone
+        assert [c.step for c in checkpoints.found()][:2] == [note["step"], began]
+        assert checkpoints.newest_valid().step == note["step"]
 
-    output = script.run(project, run_dir, 3, "--engine", "fsdp", "--steps", str(STEPS))
+    output = script.run(project, run_dir, 3, "--engine", "fsdp", "--steps", str(STEPS),
+                        SPOTRING_CHECKPOINT_URI=uri, **s3)
     assert f"at step {note['step']}" in output
     assert_close(script.weights(run_dir), reference[1], 1e-10)
 
@@ -303,38 +325,6 @@ def test_a_checkpoint_slower_than_the_notice_is_told_once_with_what_would_fit(
     told = [r.getMessage() for r in caplog.records if "more than the 1e-06 s" in r.getMessage()]
     assert len(told) == 1, caplog.text
     assert "from the busiest of 1 ranks" in told[0] and "workers would write" in told[0]
-
-
-def test_a_background_save_returns_before_its_write_and_holds_its_steps_weights(
-        tmp_path, monkeypatch):
-    """A store that takes as long as the test wants (a slow disk or S3) stands in: the
-    write waits until the test lets it go."""
-    job, model, optimizer = one_job(tmp_path)
-    go = threading.Event()
-    write = Checkpoints.save
-    monkeypatch.setattr(Checkpoints, "save",
-                        lambda self, *a, **k: go.wait(60) and write(self, *a, **k))
-    try:
-        job.track(model=model, optimizer=optimizer)
-        a_step(model, optimizer)
-        job.should_stop()
-        then = {k: v.clone() for k, v in job.unwrap(model).state_dict().items()}
-        assert job.save(background=True) == 1
-        a_step(model, optimizer)  # training goes on while the step-1 checkpoint is written
-        job.should_stop()
-        assert job.checkpoints.newest_valid() is None
-        go.set()
-        job.save(background=False)  # waits for the one in flight first
-        assert [c.step for c in job.checkpoints.found()] == [2, 1]
-    finally:
-        job.close()
-    again, model, optimizer = one_job(tmp_path)
-    try:
-        again.track(model=model, optimizer=optimizer)
-        again.restore(str(tmp_path / "checkpoints" / manifest_name(1)))
-        assert_close(again.unwrap(model).state_dict(), then, 0.0)
-    finally:
-        again.close()
 
 
 class Replicas(sharded.Comm):

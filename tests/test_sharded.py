@@ -3,9 +3,8 @@ world size under any engine with the samples and weights of one uninterrupted ru
 
 Real processes (torchrun, Gloo) run tests/sharded_script.py, a user's float64 script;
 S3 is the moto server (tests/aws.py), behind tests/faults.py's proxy where a test
-holds the uploads. Each resumed run is compared with one
-uninterrupted run alone: its weights to 1e-10, and its per-step loss (the same samples
-give the same loss) to 1e-10.
+holds the uploads. Each resumed run is compared with one uninterrupted run alone: its
+weights to 1e-10, and its per-step loss (the same samples give the same loss) to 1e-10.
 """
 
 from __future__ import annotations

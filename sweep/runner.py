@@ -175,10 +175,12 @@ class Runner:
                 (trial_dir / note).unlink(missing_ok=True)
             # Counted in the study before it starts: a sweep killed during the attempt
             # (a lost machine) leaves the count right for the one that continues it.
+            # trial.log numbers the attempt by that count, so a gap there is an attempt
+            # counted whose sweep was killed before it began.
             starts = frozen.user_attrs.get("starts", 0)
             trial.set_user_attr("starts", starts + 1)
             self.study.save()
-            _stamp(out, f"starts on {slot.label}")
+            _stamp(out, f"{starts + 1} starts on {slot.label}")
             attempt = slot.start(trial_dir, self._work(trial, slot, starts), out)
         self.running[trial.number] = Running(trial, slot, attempt, out,
                                              reported=set(frozen.intermediate_values))

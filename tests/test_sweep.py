@@ -80,9 +80,10 @@ def table_row(report: str, number: int) -> list[str]:
 
 
 def attempts(trial_dir: Path) -> int:
-    """How many times the sweep started the trial's processes, from its trial.log."""
-    return len(re.findall(r"^spotring sweep: \S+ \S+ attempt starts",
-                          (trial_dir / "trial.log").read_text(), re.MULTILINE))
+    """How many attempts the sweep counted for the trial: the number of the last one its
+    trial.log names."""
+    return max(int(n) for n in re.findall(r"^spotring sweep: \S+ \S+ attempt (\d+) starts",
+                                          (trial_dir / "trial.log").read_text(), re.MULTILINE))
 
 
 def environment(pid: int) -> dict[str, str]:
@@ -93,7 +94,7 @@ def environment(pid: int) -> dict[str, str]:
 
 def lifetime(trial_dir: Path) -> tuple[datetime, datetime]:
     """When the trial's process started and ended, from its trial.log."""
-    stamps = re.findall(r"^spotring sweep: (\S+ \S+) attempt (?:starts|ended)",
+    stamps = re.findall(r"^spotring sweep: (\S+ \S+) attempt (?:1 starts|ended)",
                         (trial_dir / "trial.log").read_text(), re.MULTILINE)
     assert len(stamps) == 2, stamps
     return datetime.fromisoformat(stamps[0]), datetime.fromisoformat(stamps[1])

@@ -30,7 +30,7 @@ def running_interval(trial_dir) -> tuple[float, float]:
     """When the sweep started the trial's processes on its node and when they ended
     (trial.log's attempt lines, by this machine's clock). The trainers' own records span
     about a second of training, less than the jitter of their start-ups."""
-    stamps = re.findall(r"^spotring sweep: (\S+ \S+) attempt (?:starts|ended)",
+    stamps = re.findall(r"^spotring sweep: (\S+ \S+) attempt (?:\d+ starts|ended)",
                         (trial_dir / "trial.log").read_text(), re.M)
     times = [datetime.fromisoformat(stamp).timestamp() for stamp in stamps]
     return min(times), max(times)

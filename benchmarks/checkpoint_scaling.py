@@ -1,51 +1,28 @@
 """Sharded checkpoints against rank 0 alone: a spot notice's save on 1, 2 and 4 workers, and
-the stall of a periodic background save against a blocking one.
+the stall of a periodic background save against a blocking one (docs/benchmarks.md,
+"Sharded checkpoints against rank 0 alone").
 
     python -m spotring.benchmarks.checkpoint_scaling
     python -m spotring.benchmarks.checkpoint_scaling --quick    # 0.01 GB on 2 workers, 3 runs
 
-Every run is benchmarks/checkpoint_ranks.py, a user's script, under `torchrun --standalone`
-(Gloo, engine=ddp): a stack of 1024 x 1024 nn.Linear blocks with AdamW whose state
-(weights and AdamW's two moments, float32) is --sizes gigabytes (0.2, 1 and 2), on
---workers ranks (1, 2 and 4). Each cell of 2 workers or more runs twice, back to back (the
-order alternating from cell to cell, so that the machine's drift falls on both alike); one
-worker is one writer either way, and runs once:
-
-    rank0     CheckpointOptions(sharded=False): rank 0 gathers the state, writes it alone
-    sharded   the default: every rank writes its part (DCP), reads it back and uploads it
-
-After a few steps (--steps-before) the benchmark sends SIGTERM to every rank, as an
-instance's shutdown does, and reads what the run left:
-
-    (a) from rank 0's preempted.json: notice to the local copy (local_saved_at -
-        noticed_at) and to verified on S3 (saved_at - noticed_at), with checkpoint.uri on
-        a moto S3 server this benchmark starts on 127.0.0.1 (for states up to
-        --s3-max-gb, 0.2: moto, one Python process, takes about a minute a GB on 2 busy
-        cores; larger states go to local disk only); and the save alone, from the
-        moment the ranks agreed to stop (rank 0's clock) to the same two times
-    (b) from the checkpoint's manifest: the bytes each rank wrote (its __RANK_0.distcp;
-        rank 0's .metadata and spotring.pt added to rank 0's)
-    (c) from each rank: VmRSS before the save and VmHWM during it (the peak reset just
-        before, /proc/self/clear_refs): the peak extra memory of the notice's save
-
-and then (d) one training run (--periodic-gb, 2 workers, local disk) that saves every
---save-every steps, its saves taking turns in the background and blocking: the seconds of
-the steps that contain a save against those that do not.
-
-A cell whose estimated memory (every rank's weights, gradients, DDP's gradient buckets and
-AdamW's moments, torch and the save's buffers) exceeds MEMORY_SHARE of the memory
-available at its start is skipped and recorded so: the machine is shared. The goals
-(GOALS) are judged in results.json's "verdicts" and in report.md. Results:
-benchmarks/results/checkpoint_scaling/ (--name): results.json, report.md, and runs/ (each
-run's log, preempted.json and memory files; its checkpoints are deleted once read). The
-figures and the report: benchmarks/checkpoint_scaling_report.py. Exits 2 with a message
-when moto is missing.
+Every run is benchmarks/checkpoint_ranks.py under torchrun. A notice cell trains, sends
+SIGTERM to every rank and reads rank 0's preempted.json (its times), the manifest (the
+bytes of each rank) and each rank's memory file, in both modes (``rank0``:
+CheckpointOptions(sharded=False); ``sharded``, the default) back to back, the order
+alternating from cell to cell; one worker is one writer and runs once. States up to
+--s3-max-gb also go to a moto S3 server started on 127.0.0.1. A cell whose estimated
+memory exceeds MEMORY_SHARE of the memory available is skipped and recorded so. Then one
+periodic run: saves every --save-every steps, background and blocking by turns. Results:
+benchmarks/results/checkpoint_scaling/ (--name); the figures and the report:
+benchmarks/checkpoint_scaling_report.py. Exits 2 with a message when moto is missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -55,22 +32,25 @@ import sys
 import time
 from pathlib import Path
 
+from spotring import checkpoint
 from spotring.benchmarks import record
 from spotring.benchmarks.checkpoint_ranks import WIDTH, blocks_for, state_bytes
-from spotring.benchmarks.checkpoint_scaling_report import (
-    BUFFER_BYTES,
-    GOALS,
-    derive,
-    render,
-    stalls,
+from spotring.benchmarks.checkpoint_scaling_report import derive, render, stalls
+from spotring.benchmarks.predict import positive
+from spotring.benchmarks.runs import (
+    drop_heavy,
+    launch_command,
+    shown,
+    shown_dir,
+    started,
+    wait_for,
 )
-from spotring.benchmarks.notice_budget import BUCKET, check_upload, start_s3
-from spotring.benchmarks.runs import REPO, drop_heavy, shown, started
+from spotring.benchmarks.suite import counts
 from spotring.checkpoint import Checkpoints
 from spotring.exits import PREEMPTED
-from spotring.launch.commands import local_command
 
 NAME = "spotring.benchmarks.checkpoint_scaling"
+BUCKET = "spotring-checkpoints"
 MODULE = "spotring.benchmarks.checkpoint_ranks"  # what every rank runs
 MODES = ("rank0", "sharded")
 START_SECONDS = 600  # for a run to reach --steps-before
@@ -90,18 +70,65 @@ def parser() -> argparse.ArgumentParser:
                                 description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
                    help=f"a tiny version: {QUICK['sizes']} GB on {QUICK['workers']} workers")
-    p.add_argument("--sizes", type=float, nargs="+", help=f"states in GB ({FULL['sizes']})")
-    p.add_argument("--workers", type=int, nargs="+", help=f"world sizes ({FULL['workers']})")
-    p.add_argument("--s3-max-gb", type=float,
+    p.add_argument("--sizes", type=positive, nargs="+", help=f"states in GB ({FULL['sizes']})")
+    p.add_argument("--workers", type=counts, nargs="+", help=f"world sizes ({FULL['workers']})")
+    p.add_argument("--s3-max-gb", type=positive,
                    help=f"the largest state also saved to moto S3 ({FULL['s3_max_gb']})")
-    p.add_argument("--steps-before", type=int, default=2, help="steps before SIGTERM (2)")
-    p.add_argument("--periodic-gb", type=float, help="(d)'s state (1)")
+    p.add_argument("--steps-before", type=counts, default=2, help="steps before SIGTERM (2)")
+    p.add_argument("--periodic-gb", type=positive, help="(d)'s state (1)")
     p.add_argument("--periodic-steps", type=int,
                    help="(d)'s steps (21; 0: no (d))")
-    p.add_argument("--save-every", type=int, help="(d)'s steps between saves (5)")
+    p.add_argument("--save-every", type=counts, help="(d)'s steps between saves (5)")
     p.add_argument("--name", default="checkpoint_scaling",
                    help="the results folder: a name under benchmarks/results, or a path")
     return p
+
+
+def moto_missing(prog: str) -> bool:
+    """Whether moto's S3 server, which the S3 benchmarks upload to, is missing (and say so)."""
+    if importlib.util.find_spec("moto") is None:
+        print(f"{prog}: needs moto's S3 server to upload to: pip install 'moto[server]' "
+              "(or '.[test]')", file=sys.stderr)
+        return True
+    return False
+
+
+def start_s3():
+    """A moto S3 server on 127.0.0.1 with the bucket, and the environment that points the
+    trainer's boto3 at it."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "moto",
+           "AWS_SECRET_ACCESS_KEY": "moto", "AWS_DEFAULT_REGION": "us-east-1"}
+    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                          aws_access_key_id="moto", aws_secret_access_key="moto")
+    client.create_bucket(Bucket=BUCKET)
+    return server, client, env
+
+
+def check_upload(client, prefix: str, note: dict) -> None:
+    """The checkpoint of the stop is on S3 under ``prefix`` as preempted.json counts it:
+    every part its manifest lists, each as long as the manifest says, upload_bytes in all
+    (RuntimeError naming the object otherwise)."""
+    step = note["step"]
+    key = f"{prefix}/{checkpoint.manifest_name(step)}"
+    manifest = json.loads(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    total = 0
+    for name, part in manifest["parts"].items():
+        part_key = f"{prefix}/{checkpoint.folder_name(step)}/{name}"
+        on_s3 = client.head_object(Bucket=BUCKET, Key=part_key)["ContentLength"]
+        if on_s3 != part["bytes"]:
+            raise RuntimeError(f"s3://{BUCKET}/{part_key}: {on_s3} bytes, its manifest "
+                               f"says {part['bytes']}")
+        total += on_s3
+    if total != note["upload_bytes"]:
+        raise RuntimeError(f"s3://{BUCKET}/{key}: {total} bytes in {len(manifest['parts'])} "
+                           f"parts, preempted.json says {note['upload_bytes']}")
 
 
 def settings(args: argparse.Namespace) -> dict:
@@ -141,16 +168,6 @@ def bytes_per_rank(manifest: dict, workers: int) -> list[int]:
     return written
 
 
-def _wait_for(done, proc, what: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            how = (f"ended first (exit {proc.returncode})" if proc.poll() is not None
-                   else f"not within {timeout:g} s")
-            raise RuntimeError(f"{what}: {how}: {shown(proc.args)}")
-        time.sleep(0.05)
-
-
 def _steps(ranks: Path) -> int:
     try:
         return int((ranks / "steps").read_text())
@@ -164,13 +181,13 @@ def notice_once(gigabytes: float, workers: int, mode: str, run_dir: Path, s3: di
     (in ``run_dir``, emptied first: a pid or step file of an earlier run would be read)."""
     shutil.rmtree(run_dir, ignore_errors=True)
     uri = f"s3://{BUCKET}/{run_dir.name}" if s3 else None
-    command = local_command("torchrun", workers, [
+    command = launch_command("torchrun", workers, [
         "--gb", str(gigabytes), "--run-dir", str(run_dir),
         *(["--uri", uri] if uri else []), *(["--rank0"] if mode == "rank0" else [])],
         module=MODULE)
     ranks = run_dir / "ranks"
     with started(command, run_dir / "output.log", **(s3["env"] if s3 else {})) as proc:
-        _wait_for(lambda: _steps(ranks) >= steps_before and all(
+        wait_for(lambda: _steps(ranks) >= steps_before and all(
             (ranks / f"pid-{r}").exists() for r in range(workers)), proc,
             f"{run_dir.name} to step {steps_before}", START_SECONDS)
         pids = [int((ranks / f"pid-{r}").read_text()) for r in range(workers)]
@@ -186,19 +203,19 @@ def notice_once(gigabytes: float, workers: int, mode: str, run_dir: Path, s3: di
                                f"{proc.returncode}); see {run_dir / 'output.log'}")
         memories.append(json.loads(path.read_text()))
     note = json.loads((run_dir / PREEMPTED).read_text())
-    (checkpoint,) = Checkpoints(run_dir / "checkpoints", keep=1).found()
+    (saved,) = Checkpoints(checkpoint.directory_of(run_dir), keep=1).found()
     if s3:
         check_upload(s3["client"], run_dir.name, note)
         _delete_prefix(s3["client"], run_dir.name)
     drop_heavy(run_dir)
     decided = memories[0]["decided_at"]
-    written = bytes_per_rank(checkpoint.manifest, workers)
+    written = bytes_per_rank(saved.manifest, workers)
     run = {
         "gb": gigabytes, "workers": workers, "mode": mode, "s3": bool(s3),
         "command": shown(command, env={"AWS_ENDPOINT_URL": "http://127.0.0.1:PORT"} if s3
                          else None),
-        "dir": str(run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir),
-        "step": note["step"], "checkpoint_bytes": checkpoint.manifest["bytes"],
+        "dir": shown_dir(run_dir),
+        "step": note["step"], "checkpoint_bytes": saved.manifest["bytes"],
         "state_bytes": state_bytes(blocks_for(gigabytes)),
         "rank_bytes": written,
         "step_seconds": statistics.median(memories[0]["step_seconds"][1:] or
@@ -227,13 +244,15 @@ def _delete_prefix(client, prefix: str) -> None:
             client.delete_object(Bucket=BUCKET, Key=obj["Key"])
 
 
-def periodic_once(gigabytes: float, run_dir: Path, steps: int, save_every: int) -> dict:
-    """(d): one 2-worker run saving every ``save_every`` steps to local disk, its saves
-    taking turns: background, blocking, background... (``run_dir`` emptied first)."""
+def periodic_once(gigabytes: float, run_dir: Path, steps: int, save_every: int,
+                  workers: int = 2, device: str = "auto") -> dict:
+    """One run of ``workers`` ranks on ``device`` saving every ``save_every`` steps to local
+    disk, its saves taking turns: background, blocking, background... (``run_dir``
+    emptied first). checkpoint_ranks' steps.json, and the command."""
     shutil.rmtree(run_dir, ignore_errors=True)
-    command = local_command("torchrun", 2, [
+    command = launch_command("torchrun", workers, [
         "--gb", str(gigabytes), "--run-dir", str(run_dir), "--steps", str(steps),
-        "--save-every", str(save_every)], module=MODULE)
+        "--save-every", str(save_every), "--device", device], module=MODULE)
     with started(command, run_dir / "output.log") as proc:
         code = proc.wait(START_SECONDS + STOP_SECONDS)
     if code != 0:
@@ -241,7 +260,7 @@ def periodic_once(gigabytes: float, run_dir: Path, steps: int, save_every: int) 
     drop_heavy(run_dir)
     found = json.loads((run_dir / "ranks" / "steps.json").read_text())
     return {"command": shown(command),
-            "dir": str(run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir),
+            "dir": shown_dir(run_dir),
             **found}
 
 
@@ -289,19 +308,13 @@ def measure(args: argparse.Namespace, folder: Path) -> dict:
         print(f"{name}: " + "; ".join(f"{kind}: stall {f['stall']:.2f} s"
                                       for kind, f in stalls(periodic).items()), flush=True)
     return {"checkpoint_scaling": {"settings": chosen, "quick": args.quick, "width": WIDTH,
-                                   "buffer_bytes": BUFFER_BYTES, "goals": GOALS,
-                                   "cells": cells, "skipped": skipped,
-                                   "periodic": periodic}}
+                                   "cells": cells, "skipped": skipped, "periodic": periodic}}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
-    try:
-        import moto.server  # noqa: F401
-    except ImportError:
-        print(f"python -m {NAME}: needs moto's S3 server to upload to: pip install "
-              "'moto[server]' (or '.[test]')", file=sys.stderr)
+    if moto_missing(NAME):
         return 2
     return record.run_alone(NAME, argv, args.name, "checkpoint-scaling",
                             lambda folder: measure(args, folder), derive, render)

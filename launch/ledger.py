@@ -16,6 +16,9 @@ the tries of launch/tries.py), launch.yaml (the prices below) and job/summary.js
     totals     dollars for the run (instances and volumes), per epoch and per 1,000
                steps, lost to preemptions and to failures, and what the same node-seconds
                would have cost on demand
+    data_reads the GET requests and bytes each rank read from a store's shards
+               (spotring.Shards, dataset=shards), per epoch: job/summary.json's, so the
+               last try's; null where the job read none or has no summary
 
 Prices: a spot node's is the spot price in its zone when it launched (EC2's spot price
 history; the price can move while it runs, the ledger keeps the launch price); an
@@ -58,7 +61,8 @@ def build(run: RunDir, now: float | None = None) -> dict:
     restarts = _restarts(run.tries(), prices)
     return {"run_id": run.id, "cluster": cluster.name, "complete": down_at is not None,
             "as_of": now, "nodes": nodes, "restarts": restarts,
-            "totals": _totals(nodes, restarts, _progress(run))}
+            "totals": _totals(nodes, restarts, _progress(run)),
+            "data_reads": _summary(run).get("data_reads")}
 
 
 def write(run: RunDir) -> dict:
@@ -110,12 +114,16 @@ def _restarts(tries: list[dict], prices: dict[str, float | None]) -> list[dict]:
     return restarts
 
 
+def _summary(run: RunDir) -> dict:
+    """The job's summary.json ({} before a try finished)."""
+    summary = run.job / "summary.json"
+    return json.loads(summary.read_text()) if summary.exists() else {}
+
+
 def _progress(run: RunDir) -> tuple[int | None, float | None]:
     """(steps, epochs) the run reached: summary.json of a finished run, else the last
     try's step (epochs unknown)."""
-    summary = run.job / "summary.json"
-    if summary.exists():
-        s = json.loads(summary.read_text())
+    if s := _summary(run):
         return s["steps"], s["epochs"]
     tries = run.tries()
     return (tries[-1]["step"] if tries else None), None

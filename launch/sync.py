@@ -7,8 +7,9 @@
             others over ssh, and any node may copy its .venv to a new one.
     setup   cluster.setup in the workdir of every node, all at once
     fetch   rank 0's run directory from node 0 into the run dir's job/: the logs,
-            metrics.jsonl, tensorboard/, summary.json, and of the checkpoints only the
-            newest
+            metrics.jsonl, tensorboard/, summary.json, and of the checkpoints (in the run
+            directory's checkpoints/, or wherever checkpoint.dir put them) only the newest,
+            into job/checkpoints/
 """
 
 from __future__ import annotations
@@ -65,17 +66,29 @@ def fetch(ssh: Ssh, node: Node, workdir: str, results: str, dest: Path) -> list[
     job_command.results_dir(run id)) into ``dest``; returns the files brought back (none
     if the job wrote nothing, e.g. it stopped on bad input). Streamed: a checkpoint can
     be large."""
-    src = shlex.quote(f"{workdir}/{results}")
-    listed = ssh.run(node, f"cd {src} && {{ ls -1 checkpoints 2>/dev/null || true; }}",
-                     check=False)
-    if listed.returncode != 0:  # no such directory: the job wrote nothing
+    run_dir = f"{workdir}/{results}"
+    src = shlex.quote(run_dir)
+    note = ssh.run(node, f"cd {src} && {{ cat {checkpoint.WHERE} 2>/dev/null || true; }}",
+                   check=False)
+    if note.returncode != 0:  # no such directory: the job wrote nothing
         return []
+    folder = shlex.quote(str(checkpoint.directory_of(run_dir, note.stdout.decode() or None)))
+    listed = ssh.run(node, f"ls -1 {folder} 2>/dev/null || true")
     names = listed.stdout.decode().split()
-    newest = checkpoint.manifests(names)[:1]
-    files = [f"checkpoints/{name}" for manifest in newest
-             for name in checkpoint.files_of(manifest) if name in names]
-    command = (f"cd {src} && tar -czf - --exclude=./checkpoints . "
-               + " ".join(map(shlex.quote, files)))
+    newest = [name for manifest in checkpoint.manifests(names)[:1]
+              for name in checkpoint.files_of(manifest) if name in names]
+    dest.mkdir(parents=True, exist_ok=True)
+    fetched = _untar(ssh, node, f"cd {src} && tar -czf - --exclude=./checkpoints .", dest)
+    if newest:
+        fetched += [f"checkpoints/{name}" for name in _untar(
+            ssh, node, f"cd {folder} && tar -czf - " + " ".join(map(shlex.quote, newest)),
+            dest / "checkpoints")]
+    return fetched
+
+
+def _untar(ssh: Ssh, node: Node, command: str, dest: Path) -> list[str]:
+    """What ``command`` (a tar to stdout on ``node``) streams, unpacked into ``dest``;
+    the files' names."""
     dest.mkdir(parents=True, exist_ok=True)
     names = []
     with ssh.popen(node, command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:

@@ -38,6 +38,7 @@ _EXPORTS = {
     "PreemptionOptions": "spotring.options",
     "DataLoader": "spotring.loader",
     "GlobalBatchSampler": "spotring.sampler",
+    "Shards": "spotring.shards.dataset",
     "split_global_batch": "spotring.global_batch",
     "scaled_lr": "spotring.lr",
     "warmup_schedule": "spotring.lr",
@@ -73,6 +74,7 @@ if _typing.TYPE_CHECKING:  # what type checkers see; "X as X": a re-export (PEP 
     from spotring.options import EngineOptions as EngineOptions
     from spotring.options import PreemptionOptions as PreemptionOptions
     from spotring.sampler import GlobalBatchSampler as GlobalBatchSampler
+    from spotring.shards.dataset import Shards as Shards
 
 
 def __getattr__(name: str) -> object:

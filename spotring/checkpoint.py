@@ -1,7 +1,10 @@
-"""Checkpoints: every rank writes its part, complete-or-invisible, verified before use.
+"""What a checkpoint is, in any store: its folder of parts and its manifest, their
+names, their format, and finding the newest one whose parts are whole. Torch-free: the
+launchers, sweeps and benchmarks read it; saving and restoring is spotring/checkpointer.py.
 
-A checkpoint is a folder of parts and a manifest, in checkpoint.dir and (with
-checkpoint.uri) in S3:
+A checkpoint is a folder of parts and a manifest, in the checkpoint directory and (with
+checkpoint.uri) in a store every host reaches (spotring/stores/: S3, GCS, Azure Blob, a
+shared mount):
 
     ckpt-000001200/            its parts: each rank's __RANK_0.distcp and DCP's .metadata
                                (spotring/sharded.py), and spotring.pt (rank 0: the data
@@ -12,16 +15,15 @@ checkpoint.uri) in S3:
 
 This module is the one place that knows those names: whoever else looks for checkpoints
 (the launcher bringing a run's newest back, a sweep, the benchmarks) asks it
-(``manifests``, ``files_of``, ``folder_name``, ``newest_valid``).
+(``manifests``, ``files_of``, ``folder_name``, ``newest_valid``, ``directory_of``).
 
-The manifest is written last, by rank 0, once every rank has written its parts, read
-them back (size and sha256 from the disk) and, with a uri, uploaded them and seen S3
-hold their size: a checkpoint without a manifest does not exist for a reader, so a rank
-killed at any point of a save leaves the previous checkpoint the newest, and the next
-save removes what no manifest lists. Before a checkpoint is used its parts are checked
-against the manifest, because torch.load accepts a file with flipped bytes and returns
-wrong weights: a checkpoint with a part missing, short or corrupt is reported, naming
-the part, and skipped for the next older one. resume=auto takes the newest valid
+The manifest is written last, once every part is written, read back and stored: a
+checkpoint without a manifest does not exist for a reader, so a rank killed at any point
+of a save leaves the previous checkpoint the newest, and the next save removes what no
+manifest lists (``Checkpoints.drop_old``). Before a checkpoint is used its parts are
+checked against the manifest, because torch.load accepts a file with flipped bytes and
+returns wrong weights: a checkpoint with a part missing, short or corrupt is reported,
+naming the part, and skipped for the next older one. resume=auto takes the newest valid
 checkpoint of all stores.
 
 Format 1, a single ckpt-NNNNNNNNN.pt beside its manifest (one file of the whole state),
@@ -42,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from spotring.exits import ConfigError
-from spotring.stores import DirectoryStore, S3Store
+from spotring.stores import DirectoryStore, Store, open_store, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +53,9 @@ SINGLE_FILE = 1  # the format of one .pt beside its manifest, still read
 EXTRAS = "spotring.pt"  # the part rank 0 writes beside DCP's
 _MANIFEST = re.compile(r"^ckpt-(\d{9})\.json$")
 _FOLDER, _PREFIX = "ckpt-{step:09d}", "ckpt-"
-
-Store = DirectoryStore | S3Store
+# Rank 0's note in its run directory of where the run's checkpoints are, for whoever
+# finds the run by its directory (a launcher fetching it, a sweep resuming it).
+WHERE = "checkpoints.json"
 
 
 def folder_name(step: int) -> str:
@@ -78,9 +81,29 @@ def files_of(manifest: str) -> tuple[str, str, str]:
 
 
 def newest_valid(directory: str | Path, uri: str | None = None) -> Checkpoint | None:
-    """The newest checkpoint of ``directory`` (and of S3 ``uri``) whose parts match its
-    manifest, verified here in this one process, not yet loaded; None where there is none."""
+    """The newest checkpoint of ``directory`` (and of the store ``uri`` names) whose parts
+    match its manifest, verified here in this one process, not yet loaded; None where
+    there is none."""
     return Checkpoints(directory, keep=1, uri=uri).newest_valid()
+
+
+def note_where(run_dir: str | Path, checkpoints: Checkpoints) -> None:
+    """Leave in ``run_dir`` the note of where ``checkpoints`` are (rank 0, at the start)."""
+    remote = checkpoints.remote.where if checkpoints.remote is not None else None
+    write_atomic(Path(run_dir) / WHERE, json.dumps(
+        {"dir": str(Path(checkpoints.local.path).absolute()), "uri": remote}).encode())
+
+
+def directory_of(run_dir: str | Path, note: str | None = None) -> Path:
+    """The checkpoint directory of the run that wrote in ``run_dir``: as its note says
+    (checkpoint.dir, wherever it was), else the default, ``run_dir``/checkpoints. ``note``:
+    the note's text, read on the host that holds ``run_dir``; default: read it here."""
+    try:
+        if note is None:
+            note = (Path(run_dir) / WHERE).read_text()
+        return Path(json.loads(note)["dir"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return Path(run_dir) / "checkpoints"
 
 
 class CorruptCheckpoint(Exception):
@@ -132,7 +155,7 @@ class Checkpoint:
         try:
             sizes = self.store.sizes(self.folder + "/" if self.format != SINGLE_FILE
                                      else next(iter(parts)))
-        except Exception as e:  # an S3 error, a directory gone: all mean unusable
+        except Exception as e:  # a store's error, a directory gone: all mean unusable
             return [f"{self.location}: unreadable ({e})"]
         found = []
         for name, part in parts.items():
@@ -155,29 +178,6 @@ class Checkpoint:
         if problems := self.problems(self.parts()):
             raise CorruptCheckpoint("; ".join(problems))
 
-    def load(self) -> dict[str, Any]:
-        """The whole checkpoint, in this one process, as plain tensors: {tracked name:
-        state_dict, ..., "spotring": {step, rng, ...}}. For readers outside a job (tests,
-        tools); a job restores with spotring.Job.restore, each rank reading its own part."""
-        import io
-        import tempfile
-
-        import torch  # here, not at the top: launchers read the layout without torch
-
-        if self.format == SINGLE_FILE:
-            data = self.store.read(next(iter(self.parts())))
-            # weights_only: a checkpoint holds tensors and containers, nothing to execute.
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        from spotring import sharded
-
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = Path(tmp)
-            for name in self.parts():
-                (folder / name.split("/", 1)[1]).write_bytes(self.store.read(name))
-            whole = sharded.load_whole(folder)
-            whole.update(torch.load(folder / EXTRAS, map_location="cpu", weights_only=True))
-        return whole
-
     def check_matches(self, annotations: dict[str, Any]) -> None:
         """Refuse (ConfigError) a checkpoint whose manifest gives any of ``annotations``
         (Job.annotate's fields: what the run trains) another value; a field the manifest
@@ -193,17 +193,29 @@ class Checkpoint:
                 "directory, or another checkpoint.")
 
 
+def manifest_bytes(parts: dict[str, dict[str, Any]], meta: dict[str, Any]) -> bytes:
+    """The manifest of a checkpoint of format FORMAT: its ``parts`` (name in its folder ->
+    {"bytes", "sha256"}) and ``meta`` (step, world size, position, the job's annotations)."""
+    return json.dumps({
+        "format": FORMAT,
+        "parts": parts,
+        "bytes": sum(p["bytes"] for p in parts.values()),
+        "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **meta,
+    }, indent=1).encode()
+
+
 @dataclass
 class Saved:
-    """A checkpoint as Checkpoints.save left it: every part written, read back and
-    uploaded by the rank that wrote it, the manifest published.
+    """A checkpoint as it was published (spotring/checkpointer.py): every part written,
+    read back and stored by the rank that wrote it, the manifest last.
 
-    location: the checkpoint's folder in the checkpoint directory (or in S3, where the
-    ranks do not share a disk); bytes: of all parts; rank_bytes: the most one rank wrote;
-    parts: how many; seconds, done_at: per store (its ``where``, local first), the
-    slowest rank's seconds from the start of the save to its parts written and read back
-    (uploaded and their size seen, for S3; the manifest's write included), and the
-    time.time() by which every rank was done there."""
+    location: the checkpoint's folder in the checkpoint directory (or in the uri's store,
+    where the ranks do not share a disk); bytes: of all parts; rank_bytes: the most one
+    rank wrote; parts: how many; seconds, done_at: per store (its ``where``, local first),
+    the slowest rank's seconds from the start of the save to its parts written and read
+    back (stored and their size seen, for the uri's store; the manifest's write
+    included), and the time.time() by which every rank was done there."""
 
     location: str
     bytes: int
@@ -219,7 +231,7 @@ class Saved:
 
     def describe(self) -> str:
         """One line, e.g. "205.4 MB in 3 parts (at most 68.5 MB from one rank): DIR in
-        0.28 s (733.6 MB/s), s3://b/p in 2.10 s (97.8 MB/s)"; MB are 10^6 bytes, and a
+        0.28 s (733.6 MB/s), gs://b/p in 2.10 s (97.8 MB/s)"; MB are 10^6 bytes, and a
         store's MB/s counts its small requests for the manifest and the read-back too."""
         stores = [f"{where} in {s:.2f} s ({self.bytes / 1e6 / max(s, 1e-9):.1f} MB/s)"
                   for where, s in self.seconds.items()]
@@ -228,12 +240,13 @@ class Saved:
 
 
 class Checkpoints:
-    """The checkpoints of a run: each host's checkpoint directory, and S3 when a uri is
-    given (the store every rank of every host reaches)."""
+    """The checkpoints of a run: each host's checkpoint directory, and the store a uri
+    names (spotring.stores.open_store: S3, GCS, Azure Blob, a shared mount), which every
+    rank of every host reaches, where one is given."""
 
     def __init__(self, directory: str | Path, keep: int, uri: str | None = None) -> None:
         self.local = DirectoryStore(directory)
-        self.remote = S3Store(uri) if uri else None
+        self.remote = open_store(uri) if uri else None
         self.stores: list[Store] = [self.local] + ([self.remote] if self.remote else [])
         self.keep = keep
 
@@ -246,7 +259,7 @@ class Checkpoints:
         self.local = self.stores[0] = DirectoryStore(directory)
 
     def manifests(self) -> list[tuple[str, Store]]:
-        """(manifest name, store), newest (highest step) first; local before S3."""
+        """(manifest name, store), newest (highest step) first; the directory's first."""
         found = [(name, i, store) for i, store in enumerate(self.stores)
                  for name in manifests(store.names())]
         found.sort(key=lambda f: (f[0], -f[1]), reverse=True)
@@ -279,114 +292,8 @@ class Checkpoints:
                 log.warning("skipping checkpoint: %s", e)
         return None
 
-    def save(self, state: Any, meta: dict[str, Any],
-             extras: dict[str, Any] | None = None, comm: Any = None,
-             cleans: bool = True) -> Saved:
-        """Write the checkpoint of step ``meta['step']`` (a collective over ``comm``, a
-        spotring.sharded.Comm; None: this process alone): every rank its part of
-        ``state`` (DCP: tensors, sharded or alike on every rank; or a sharded.Staged
-        copy of this rank's share) into its checkpoint directory, rank 0 ``extras``
-        (torch.save: positions, RNG states) beside them;
-        each rank reads its files back, uploads them with a uri, and reports; rank 0
-        then writes the manifest to every store that holds every part (the checkpoint
-        directory only where the ranks share it, or are one) and drops the checkpoints
-        beyond checkpoint.keep in S3; ``cleans``: this process also drops them from its
-        checkpoint directory (one process per host does: local rank 0). Raises
-        CheckpointNotSaved on every rank, naming the rank and the object, where any rank
-        failed; the checkpoints before are all kept."""
-        from spotring import sharded
-
-        comm = comm or sharded.ALONE
-        started = time.time()
-        folder = folder_name(meta["step"])
-        report: dict[str, Any] = {"rank": comm.rank}
-        try:
-            files = sharded.write(state, self.local.path / folder, comm)
-            if comm.rank == 0:
-                self.local.write(f"{folder}/{EXTRAS}", _bytes_of(extras or {}))
-                files.append(EXTRAS)
-            report |= self._publish(folder, files, started)
-        except (Exception, sharded.CheckpointException) as e:
-            # Every rank must hear of it, or the others wait forever. (DCP's own
-            # CheckpointException, gathered from every rank, is a BaseException.)
-            report["error"] = "; ".join(
-                f"rank {rank}: {type(error).__name__}: {error}"
-                for rank, error in sharded.failures(e, comm.rank).items())
-        reports = comm.all_gather(report)
-        if errors := [r["error"] for r in reports if "error" in r]:
-            raise CheckpointNotSaved("; ".join(errors))
-        saved = None
-        if comm.rank == 0:
-            try:
-                saved = self._manifest(folder, meta, reports)
-            except Exception as e:
-                saved = CheckpointNotSaved(f"rank 0: {type(e).__name__}: {e}")
-        saved = comm.broadcast(saved)
-        if isinstance(saved, Exception):
-            raise saved
-        if cleans:
-            self._drop_old(self.local)
-        return saved
-
-    def _publish(self, folder: str, files: list[str], started: float) -> dict[str, Any]:
-        """This rank's part of a save, after DCP wrote its files: each read back (size and
-        sha256 from the disk), then uploaded and its stored size checked."""
-        parts = {}
-        for name in files:
-            path = f"{folder}/{name}"
-            parts[name] = {"bytes": self.local.size(path), "sha256": self.local.sha256(path)}
-        times = {self.local.where: (time.time() - started, time.time())}
-        if self.remote is not None:
-            for name, part in parts.items():
-                path = f"{folder}/{name}"
-                try:
-                    self.remote.upload(path, self.local.path / path)
-                except Exception as e:  # cut off, refused: name the object
-                    raise CheckpointNotSaved(f"{self.remote.location(path)}: not uploaded "
-                                             f"({type(e).__name__}: {e})") from e
-                if (stored := self.remote.size(path)) != part["bytes"]:
-                    raise CheckpointNotSaved(f"{self.remote.location(path)}: {stored} bytes "
-                                             f"stored of the {part['bytes']} written")
-            times[self.remote.where] = (time.time() - started, time.time())
-        return {"parts": parts, "times": times}
-
-    def _manifest(self, folder: str, meta: dict[str, Any],
-                  reports: list[dict[str, Any]]) -> Saved:
-        """Rank 0: the manifest of every rank's parts, on each store that holds them all."""
-        parts = {name: part for r in reports for name, part in r["parts"].items()}
-        manifest = json.dumps({
-            "format": FORMAT,
-            "parts": parts,
-            "bytes": sum(p["bytes"] for p in parts.values()),
-            "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            **meta,
-        }, indent=1).encode()
-        rank_bytes = max(sum(p["bytes"] for p in r["parts"].values()) for r in reports)
-        total = sum(p["bytes"] for p in parts.values())
-        location, seconds, done_at = None, {}, {}
-        here = set(self.local.names())
-        for store in self.stores:
-            local = store is self.local
-            if local and not all(f"{folder}/{name}" in here for name in parts):
-                continue  # the ranks write on several disks: S3 holds the whole checkpoint
-            name = folder + ".json"
-            store.write(name, manifest)
-            if store.read(name) != manifest:
-                raise CheckpointNotSaved(f"{store.location(name)}: reads back other than written")
-            seconds[store.where] = max(r["times"][store.where][0] for r in reports)
-            done_at[store.where] = time.time() if not local else max(
-                r["times"][store.where][1] for r in reports)
-            location = location or store.location(folder)
-            if not local:
-                self._drop_old(store)
-        if location is None:
-            raise CheckpointNotSaved(
-                f"{self.local.location(folder)}: the ranks wrote their parts on disks of "
-                "their own and no checkpoint.uri holds them all")
-        return Saved(location, total, rank_bytes, len(parts), seconds, done_at)
-
-    def _drop_old(self, store: Store) -> None:
-        """Delete what the newest checkpoint.keep manifests do not list: older
+    def drop_old(self, store: Store) -> None:
+        """Delete what the newest checkpoint.keep manifests of ``store`` do not list: older
         checkpoints, and the parts of saves that never got a manifest."""
         names = store.names()
         keep = set()
@@ -399,17 +306,6 @@ class Checkpoints:
         for name in names:
             if name.startswith(_PREFIX) and name not in keep:
                 store.delete(name)
-
-
-def _bytes_of(obj: Any) -> bytes:
-    """torch.save of ``obj`` (torch imported here: launchers read the layout without it)."""
-    import io
-
-    import torch
-
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
 
 
 def _checkpoint(name: str, manifest: dict[str, Any], store: Store) -> Checkpoint:

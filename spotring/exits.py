@@ -209,16 +209,41 @@ class Diverged(Exception):
         self.step, self.loss = step, loss
 
 
-# torchrun and horovodrun stop every rank as soon as one exits: on bad input each rank
-# waits this long after its message, so that every rank (rank 0 first) gets to say it.
+# torchrun, horovodrun and mpirun stop every rank as soon as one exits: on bad input each
+# rank waits a while after its message (BAD_INPUT_GRACE_S, or $SPOTRING_BAD_INPUT_GRACE_S
+# seconds), so that every rank, however much later it gets there, says it too.
 BAD_INPUT_GRACE_S = 3.0
+GRACE_VARIABLE = "SPOTRING_BAD_INPUT_GRACE_S"
+
+
+def bad_input_grace_s() -> float:
+    """How long a rank of several waits after its bad-input message: $SPOTRING_BAD_INPUT_GRACE_S
+    seconds where it is set, else BAD_INPUT_GRACE_S. Raises ConfigError naming a value
+    that is not a number of seconds, 0 or more."""
+    value = os.environ.get(GRACE_VARIABLE, "").strip()
+    if not value:
+        return BAD_INPUT_GRACE_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise ConfigError(f"{GRACE_VARIABLE}={value}: not a number of seconds; valid: 0 or "
+                          f"more ({BAD_INPUT_GRACE_S:g} where unset)")
+    return seconds
 
 
 def report_bad_input(error: ConfigError, rank: int, world_size: int,
                      everyone: bool = False) -> None:
     """The one paragraph of bad input on stderr: rank 0's in full; the other ranks, whose
     config fails the same way, say only that they stopped, unless ``everyone`` (a problem
-    of each host's own, such as its data). Then, with several ranks, a short wait."""
+    of each host's own, such as its data). Then, with several ranks, the wait of
+    ``bad_input_grace_s`` (the default where the variable is bad, which the paragraph
+    then names too), so that the launcher does not stop a rank before it says its line."""
+    try:
+        grace = bad_input_grace_s()
+    except ConfigError as bad_grace:
+        grace, error = BAD_INPUT_GRACE_S, ConfigError(f"{error}\n{bad_grace}")
     where = "" if world_size == 1 else f"rank {rank} ({socket.gethostname()}): "
     if rank == 0 or everyone:
         print(f"spotring: {where}error: {error}", file=sys.stderr)
@@ -226,7 +251,7 @@ def report_bad_input(error: ConfigError, rank: int, world_size: int,
         print(f"spotring: {where}stopped: bad configuration (rank 0 says which)",
               file=sys.stderr)
     if world_size > 1:
-        time.sleep(BAD_INPUT_GRACE_S)
+        time.sleep(grace)
 
 
 def exit_peer_lost(message: str) -> NoReturn:

@@ -32,12 +32,13 @@ The contract (docs/api.md):
   SIGTERM, SIGUSR1 or a spot notice (EC2, GCP, Azure). ``save_and_exit`` writes a
   checkpoint and exits 75.
 - Inside ``with``: a lost or hung rank ends the others with 69, naming it; a
-  ``check_finite`` that failed ends every rank with 65; ConfigError with 2.
-- Checkpoints: every rank writes its part (spotring/state.py), a periodic ``save`` in
+  ``check_finite`` that failed ends every rank with 65; ConfigError with 2. Any other
+  way out (sys.exit, an exception) first lets a background save in flight finish.
+- Checkpoints: every rank writes its part (spotring/checkpointer.py), a periodic ``save`` in
   the background; ``restore`` reads each rank's part back onto any world size and engine.
 - Only rank 0 writes metrics.jsonl, TensorBoard and summary.json in ``run_dir``.
 
-Exit codes: spotring/exits.py; what checkpoints hold and how: spotring/state.py.
+Exit codes: spotring/exits.py; what checkpoints hold and how: spotring/checkpointer.py.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from spotring import contract, engines, runtime
-from spotring.checkpoint import Checkpoint, Checkpoints
+from spotring.checkpoint import Checkpoint, Checkpoints, note_where
+from spotring.checkpointer import Checkpointer, unwrap
 from spotring.exits import (
     DIVERGED,
     EXIT_CONFIG,
@@ -78,7 +80,7 @@ from spotring.options import (
     require_one_of,
 )
 from spotring.preemption import Preemption, notice_budget
-from spotring.state import State, unwrap
+from spotring.shards.dataset import gather_reads
 from spotring.stores import write_atomic
 from spotring.telemetry import Telemetry
 
@@ -119,12 +121,14 @@ def init(*, engine: str | EngineOptions = "ddp", backend: str | None = None,
         ./runs/<script name>.
     checkpoint: a spotring.CheckpointOptions (dir, uri, keep); checkpoint_dir,
         checkpoint_uri and keep, where given, replace its fields. Defaults: the run_dir's
-        checkpoints/; s3://bucket/prefix from $SPOTRING_CHECKPOINT_URI, else none; 3 kept.
+        checkpoints/; the store $SPOTRING_CHECKPOINT_URI names (s3://, gs://, az://),
+        else none; 3 kept.
     preemption: a spotring.PreemptionOptions (notices, poll_seconds, check_every_steps);
         notices and check_every_steps, where given, replace its fields. Defaults: watch
-        the metadata service of the cloud found (EC2, GCP or Azure) for spot notices;
-        poll every 5 s; vote as often as keeps the vote near 1% of the steps' time while
-        a notice is acted on within about a second.
+        the metadata service of the cloud found (EC2, GCP or Azure) for spot notices
+        (GCP's holds each request until its flag changes; EC2's and Azure's are asked
+        every 0.5 s); vote as often as keeps the vote near 1% of the steps' time while a
+        notice is acted on within about a second.
     threads: torch threads per process; default this machine's cores / local workers.
     seed: seeds torch and random the same on every rank (the same initial weights);
         after ``wrap`` every rank gets its own stream.
@@ -196,10 +200,14 @@ class Job:
         self.scaler = torch.amp.GradScaler(device.type, enabled=False)
         self.precision = "fp32"
         self.background_saves = checkpointing.background
-        self._state = State(checkpoints, self.engine, seed, checkpointing.sharded,
-                            lambda: self.preemption.notice_seconds)
+        self._checkpointer = Checkpointer(checkpoints, self.engine, seed,
+                                          checkpointing.sharded,
+                                          lambda: self.preemption.notice_seconds)
+        self._noted_where = False  # rank 0's note of where the checkpoints are
         self._loader: DataLoader | None = None
         self._model: nn.Module | None = None  # the wrapped model, for no_sync
+        self._accumulation = 1  # micro-batches per optimizer step (wrap's)
+        self._micro_steps = 0  # taken since the last optimizer step, where no loader counts
         self._started = time.perf_counter()
         self._telemetry: Telemetry | None = None
         self._stop_reason: str | None = None
@@ -275,7 +283,8 @@ class Job:
         channels_last: the model in NHWC memory order (convolutions on GPUs).
         compile: torch.compile the model before the engine wraps it; ConfigError where
             torch.compile cannot run here, or the engine's options cannot go with it.
-        accumulation: micro-batches per optimizer step; default the loader's.
+        accumulation: micro-batches per optimizer step; default the loader's (1 without
+            one). ``micro_step``, ``backward`` and ``step`` go by it.
         """
         require_one_of("precision", precision, Precision)
         dtype = next(model.parameters(), torch.empty(0)).dtype
@@ -294,6 +303,7 @@ class Job:
             model = torch.compile(model)
         # A loader's truth is its length: an epoch handed out is False.
         k = accumulation or (self._loader.accumulation if self._loader is not None else 1)
+        self._accumulation, self._micro_steps = k, 0
         model, optimizer = self.engine.prepare(model, optimizer, k, precision=self.precision)
         # From here on every rank draws its own random numbers (dropout, augmentation).
         runtime.seed_all(hash((self.seed, self.rank)))
@@ -317,28 +327,36 @@ class Job:
     def micro_step(self):
         """Around forward and ``backward`` of one micro-batch: gradients are only
         accumulated (no allreduce) except on the last micro-batch of a global batch, and
-        the forward pass runs under ``autocast``. Needed where the loader accumulates
-        (loader.accumulation > 1); harmless otherwise."""
-        last = self._loader is None or self._loader.is_step_boundary
-        with (contextlib.nullcontext() if last or self._model is None
+        the forward pass runs under ``autocast``. Which one is last: the tracked loader's
+        position says, else the count of micro-steps since ``step`` (``wrap``'s
+        accumulation of them make a step). Needed where a step has several micro-batches;
+        harmless otherwise."""
+        self._micro_steps += 1
+        with (contextlib.nullcontext() if self._at_step_boundary() or self._model is None
               else self.engine.no_sync(self._model)), self.autocast():
             yield
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward() for one micro-batch's ``loss``, divided by the accumulation (the
         step averages over the whole global batch) and scaled for fp16."""
-        k = self._loader.accumulation if self._loader is not None else 1
-        self.scaler.scale(loss * (self.engine.loss_scale / k)).backward()
+        self.scaler.scale(loss * (self.engine.loss_scale / self._accumulation)).backward()
 
     def step(self, optimizer: Optimizer) -> bool:
         """After ``backward``: at the end of a global batch, ``optimizer``'s step (``wrap``'s
         optimizer) on the averaged gradients (unscaled, skipped where fp16 overflowed) and
         zero_grad; True then, False on the micro-batches before."""
-        if self._loader is not None and not self._loader.is_step_boundary:
+        if not self._at_step_boundary():
             return False
         self.engine.step(optimizer, self.scaler)
         optimizer.zero_grad()
+        self._micro_steps = 0
         return True
+
+    def _at_step_boundary(self) -> bool:
+        """Whether the micro-batch in hand completes the global batch."""
+        if self._loader is not None:
+            return self._loader.is_step_boundary
+        return self._micro_steps % self._accumulation == 0
 
     # ----------------------------------------------------------------------- collectives
 
@@ -366,41 +384,46 @@ class Job:
         spotring.DataLoader) or plain dicts (restored in place). A wrapped or compiled
         model is saved as the plain module, so checkpoints load in any world size or
         engine. A tracked spotring.DataLoader gives ``step_count``."""
-        self._state.tracked.update(state)
+        self._checkpointer.tracked.update(state)
 
     def annotate(self, **fields: Any) -> None:
         """``fields`` (JSON values: what the run trains) every checkpoint's manifest carries
         from now on. ``restore`` refuses a checkpoint whose manifest gives one of them
         another value (ConfigError, exit 2): annotate before you restore."""
-        self._state.annotations.update(fields)
+        self._checkpointer.annotations.update(fields)
 
     @property
     def step_count(self) -> int:
         """Optimizer steps taken: from the tracked loader's position (the same on every
         world size), else the calls of ``should_stop``."""
-        return self._state.step_count
+        return self._checkpointer.step_count
 
     @property
     def saved_step(self) -> int | None:
         """The step of the newest checkpoint written or restored; None before either."""
-        return self._state.saved_step
+        return self._checkpointer.saved_step
 
     @property
     def resumed_from(self) -> str | None:
         """Where the checkpoint ``restore`` loaded was; None on a fresh start."""
-        return self._state.resumed_from
+        return self._checkpointer.resumed_from
 
     def save(self, background: bool | None = None) -> int:
         """Checkpoint the tracked state (every rank calls it; every rank writes its part,
-        spotring/state.py): read back on disk and S3 and published by its manifest, the
-        oldest beyond ``keep`` dropped. Returns its step. Raises Diverged where a tracked
-        model's weights are not finite: never a checkpoint to resume a diverged run from.
+        spotring/checkpointer.py): read back on disk and in the uri's store and published by
+        its manifest, the oldest beyond ``keep`` dropped. Returns its step. Raises
+        Diverged where a tracked model's weights are not finite: never a checkpoint to
+        resume a diverged run from. Rank 0 notes in run_dir where the checkpoints are
+        (spotring.checkpoint.directory_of reads it), wherever checkpoint.dir put them.
 
         background: return once the state is copied to CPU memory, and write while
             training goes on (a save in flight is waited for first); default
             CheckpointOptions.background. False: complete before it returns."""
-        self._state.save(self.scaler, self.background_saves if background is None
-                         else background)
+        if self.is_main and not self._noted_where:
+            note_where(self.run_dir, self.checkpoints)
+            self._noted_where = True
+        self._checkpointer.save(self.scaler, self.background_saves if background is None
+                                else background)
         return self.step_count
 
     def restore(self, source: str | Checkpoint | None = "auto") -> int | None:
@@ -415,7 +438,7 @@ class Job:
         ones would mix with); the path of a manifest (ckpt-N.json), of a checkpoint's
         folder, or of a single-file checkpoint's .pt (older spotring); or a Checkpoint
         already found (None: none)."""
-        return self._state.restore(source, self.scaler)
+        return self._checkpointer.restore(source, self.scaler)
 
     # ---------------------------------------------------------------------------- stop
 
@@ -425,7 +448,7 @@ class Job:
         vote every PreemptionOptions.check_every_steps, by default as often as keeps the
         vote near 1% of the steps' time). An EC2 rebalance recommendation checkpoints
         here and goes on."""
-        self._state.steps += 1
+        self._checkpointer.steps += 1
         decision = self.preemption.decide()
         if decision.checkpoint and self.saved_step != self.step_count:
             self.save()
@@ -438,9 +461,9 @@ class Job:
         continue."""
         if self.saved_step != self.step_count:
             self.save(background=False)
-        self._state.wait()  # this step's checkpoint, begun in the background: finish it
+        self._checkpointer.wait()  # this step's checkpoint, begun in the background: finish it
         reason = self._stop_reason or "stop requested"
-        saved = self._state.saved
+        saved = self._checkpointer.saved
         if self.is_main:
             timing = notice_budget(saved, self.checkpoints, reason, self.step_count,
                                    self.preemption.noticed_at or time.time(),
@@ -464,7 +487,7 @@ class Job:
         if not self.is_main:
             return
         step = self.step_count if step is None else step
-        loader = self._state.position() or self._loader
+        loader = self._checkpointer.position() or self._loader
         self.telemetry.record(kind, step, None if loader is None else loader.epoch,
                               **{k: float(v) for k, v in scalars.items()})
 
@@ -473,8 +496,8 @@ class Job:
         ``results`` such as test_accuracy, over the run's steps, workers, global batch,
         seconds and img/s); then leave the process group. Returns the summary."""
         seconds = time.perf_counter() - self._started
-        loader = self._state.position() or self._loader
-        steps = self.step_count - self._state.start_step
+        loader = self._checkpointer.position() or self._loader
+        steps = self.step_count - self._checkpointer.start_step
         summary: dict[str, Any] = {
             "steps": self.step_count, "steps_this_run": steps, "train_seconds": seconds,
             "world_size": self.world_size, "launcher": self.launch.launcher,
@@ -486,7 +509,7 @@ class Job:
             summary |= {"global_batch": loader.global_batch,
                         "epochs": self.step_count / loader.steps_per_epoch,
                         "images_per_second": steps * loader.global_batch / max(seconds, 1e-9)}
-        summary |= results
+        summary |= gather_reads(self) | results  # every rank's reads of spotring.Shards
         if self.is_main:
             write_atomic(self.run_dir / "summary.json",
                          json.dumps(summary, indent=2, default=str).encode())
@@ -501,7 +524,7 @@ class Job:
         if self._closed:
             return
         self._closed = True
-        self._state.wait()
+        self._checkpointer.wait()
         self.preemption.close()
         if self._telemetry is not None:
             self._telemetry.close()
@@ -512,9 +535,8 @@ class Job:
         return self
 
     def __exit__(self, kind, error, traceback) -> bool:
-        if error is None or isinstance(error, SystemExit):
-            if error is None:
-                self.close()
+        if error is None:
+            self.close()
             return False
         if isinstance(error, ConfigError):
             report_bad_input(error, self.rank, self.world_size)
@@ -529,4 +551,29 @@ class Job:
         if engines.is_collective_failure(error):
             self.preemption.close()  # the handlers stay: a SIGTERM now must not end it silently
             exit_peer_lost(self.engine.describe_failure(error))
+        self._finish_save_in_flight()
         return False
+
+    def _finish_save_in_flight(self) -> None:
+        """On a way out of ``with`` other than its end or a verdict of spotring's own
+        (sys.exit, an exception): let the background save in flight finish, for at most
+        the collectives' timeout, rather than end the process under it; logged either way.
+        Its failure is logged, not raised: what ends the process is the error to see. The
+        process group is not left together here: the other ranks may still be training."""
+        step = self._checkpointer.in_flight
+        if step is None:
+            return
+        timeout = self.options.timeout_s
+        log.warning("waiting for the checkpoint of step %d, written in the background, "
+                    "before exiting (at most %g s)", step, timeout)
+        try:
+            done = self._checkpointer.wait(timeout)
+        except Exception as e:
+            log.error("the checkpoint of step %d was not saved (%s: %s)", step,
+                      type(e).__name__, e)
+            return
+        if done:
+            log.warning("checkpoint of step %d complete", step)
+        else:
+            log.error("the checkpoint of step %d did not complete within %g s: the one "
+                      "before it is the newest", step, timeout)

@@ -10,7 +10,11 @@ cloud leaves between a notice and the end of the instance (``notice_seconds``):
            120 s; endpoint $AWS_EC2_METADATA_SERVICE_ENDPOINT, as boto finds it
     GCP    GET /computeMetadata/v1/instance/preempted (Metadata-Flavor: Google)
                                                              "TRUE" once preempted, else
-                                                             "FALSE"
+                                                             "FALSE"; an ETag header
+           the same with ?wait_for_change=true&last_etag=E&timeout_sec=N
+                                                             held until the flag's ETag
+                                                             is not E (at once where it
+                                                             is not already), or N s
            30 s; endpoint host[:port] $GCE_METADATA_HOST, as Google's client libraries
            find it
     Azure  GET /metadata/scheduledevents?api-version=2020-07-01 (Metadata: true)
@@ -24,25 +28,35 @@ cloud leaves between a notice and the end of the instance (``notice_seconds``):
 A service answers only as its cloud documents it, or the class raises OSError or
 ValueError: the three share the address 169.254.169.254, where another cloud (or a
 machine on none) answers something else or nothing. ``detect`` asks them all at once and
-gives the first that answers. The job's watcher polls the one found
-(spotring/preemption.py); `python -m spotring.metadata` asks once (what `spotring launch`
-runs on a node to tell whether the node is doomed: launch/notice.py) and prints the
-notice, exiting 0 where one is up and 1 where none is or no service answers.
+gives the first that answers. The job's watcher asks the one found again and again
+(``Source.wait``: GCP's server holds the request until its flag changes, the others are
+polled; spotring/preemption.py); `python -m spotring.metadata` asks once (what `spotring
+launch` runs on a node to tell whether the node is doomed: launch/notice.py) and prints
+the notice, exiting 0 where one is up and 1 where none is or no service answers.
+
+Requests go to the service directly, never through a proxy that the environment names
+(Azure and GCP say to bypass proxies for it), and ``Source.close`` ends the one in flight
+at once, from any thread, however long the service would hold it.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
+import http.client
 import json
+import logging
 import os
+import socket
 import sys
+import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from email.message import Message
 from typing import ClassVar
+from urllib.parse import urlencode, urlsplit
+
+log = logging.getLogger(__name__)
 
 # Where all three clouds serve their instance metadata. GCP documents this address beside
 # the name metadata.google.internal; the address needs no DNS lookup, which off GCP may
@@ -51,9 +65,18 @@ LINK_LOCAL = "169.254.169.254"
 AZURE_ENDPOINT = "SPOTRING_AZURE_METADATA_ENDPOINT"
 
 
+class StatusError(OSError):
+    """A service's answer other than 200 OK, of HTTP status ``status``."""
+
+    def __init__(self, url: str, status: int, reason: str) -> None:
+        super().__init__(f"HTTP {status} {reason} from {url}")
+        self.status = status
+
+
 class Source(abc.ABC):
     """One cloud's metadata service at ``endpoint`` (default: where that cloud's own
-    tools look), each request failing after ``timeout`` seconds."""
+    tools look), each request failing after ``timeout`` seconds (a request the service
+    holds: that much after the time it was asked to hold it)."""
 
     name: ClassVar[str]  # as PreemptionOptions.notices names it
     cloud: ClassVar[str]  # as logs name it
@@ -62,6 +85,10 @@ class Source(abc.ABC):
     def __init__(self, endpoint: str | None = None, timeout: float = 1.0) -> None:
         self.endpoint = (endpoint or self.default_endpoint()).rstrip("/")
         self.timeout = timeout
+        # close() and the request in flight, from different threads.
+        self._lock = threading.Lock()
+        self._closed = False
+        self._in_flight: http.client.HTTPConnection | None = None
 
     @staticmethod
     @abc.abstractmethod
@@ -77,18 +104,65 @@ class Source(abc.ABC):
     def notice(self) -> str | None:
         """The notice up now, in a line that names the cloud, or None."""
 
+    def wait(self) -> str | None:
+        """The notice, as ``notice`` says it. A service that can hold a request until its
+        notice changes is asked to (``holds``): the answer comes within moments of a
+        change, or after GCP.HOLD_SECONDS without one. The others answer at once, and
+        the caller asks again after an interval."""
+        return self.notice()
+
+    @property
+    def holds(self) -> bool:
+        """Whether the next ``wait`` asks the service to hold its request."""
+        return False
+
     def rebalance(self) -> bool:
         """Whether the cloud recommends moving off this instance before a notice."""
         return False
 
-    def _read(self, path: str, headers: dict[str, str], method: str = "GET"
-              ) -> tuple[bytes, Message]:
-        """The body and headers of the answer to ``path``; HTTPError (an OSError) for
-        any status other than 200."""
-        request = urllib.request.Request(f"{self.endpoint}{path}", headers=headers,
-                                         method=method)
-        with urllib.request.urlopen(request, timeout=self.timeout) as response:
-            return response.read(), response.headers
+    def close(self) -> None:
+        """End the request in flight now, whichever thread waits for it (it raises
+        OSError there), and refuse every later one."""
+        with self._lock:
+            self._closed = True
+            sock = self._in_flight.sock if self._in_flight is not None else None
+            if sock is not None:
+                with contextlib.suppress(OSError):  # the service closed it already
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def _read(self, path: str, headers: dict[str, str], method: str = "GET",
+              held: float = 0.0) -> tuple[bytes, http.client.HTTPMessage]:
+        """The body and headers of the answer to ``path``, asked of the service itself
+        (no proxy). StatusError for any status other than 200; another OSError where
+        nothing came within the timeout (and ``held`` seconds more: the time the service
+        was asked to hold the request), the answer is not HTTP, or close() ended it."""
+        url = urlsplit(self.endpoint)
+        connection = http.client.HTTPConnection(url.netloc, timeout=self.timeout)
+        with self._lock:
+            self._refuse_if_closed()
+            self._in_flight = connection
+        try:
+            connection.connect()
+            with self._lock:  # close() came while connecting, before there was a socket
+                self._refuse_if_closed()
+            connection.sock.settimeout(self.timeout + held)
+            connection.request(method, f"{url.path}{path}", headers=headers)
+            response = connection.getresponse()
+            body = response.read()
+        except http.client.HTTPException as e:  # not HTTP: not this cloud's service
+            raise ConnectionError(f"{self.endpoint}{path}: {e!r}") from e
+        finally:
+            with self._lock:
+                self._in_flight = None
+            connection.close()
+        if response.status != 200:
+            raise StatusError(f"{self.endpoint}{path}", response.status, response.reason)
+        return body, response.headers
+
+    def _refuse_if_closed(self) -> None:
+        """ConnectionAbortedError once close() was called (the caller holds _lock)."""
+        if self._closed:
+            raise ConnectionAbortedError(f"{self.cloud}'s metadata source is closed")
 
 
 class EC2(Source):
@@ -120,10 +194,10 @@ class EC2(Source):
         """The JSON document at meta-data/``path``, or None when there is none (404)."""
         try:
             body, _ = self._read(f"/latest/meta-data/{path}", self._token_header())
-        except urllib.error.HTTPError as e:
-            if e.code == 404:
+        except StatusError as e:
+            if e.status == 404:
                 return None
-            if e.code == 401:  # the token expired early: get a new one next time
+            if e.status == 401:  # the token expired early: get a new one next time
                 self._token = None
             raise
         return json.loads(body or b"{}")
@@ -140,21 +214,61 @@ class EC2(Source):
 
 
 class GCP(Source):
-    """The metadata server of a GCP spot or preemptible VM."""
+    """The metadata server of a GCP spot or preemptible VM. ``wait`` holds a request
+    until the preempted flag changes, as Google documents ("Wait for updates"): it names
+    the ETag of the last answer (last_etag), so that a change between two requests is
+    answered at once rather than missed. A server that sends no ETag is polled, and so is
+    one that failed a held request (refused it, or did not answer it in time)."""
 
     name, cloud, notice_seconds = "gcp", "GCP", 30
+    PREEMPTED = "/computeMetadata/v1/instance/preempted"
+    # timeout_sec of a held request, in the whole seconds GCP takes: close() ends a held
+    # request at once, so a long one costs nothing but a request a minute.
+    HOLD_SECONDS = 60
     _HEADERS = {"Metadata-Flavor": "Google"}
+
+    def __init__(self, endpoint: str | None = None, timeout: float = 1.0) -> None:
+        super().__init__(endpoint, timeout)
+        # The ETag of the last answer, where it said the flag was down: a held request
+        # waits for a change from it. None where the flag was up (the notice is answered
+        # at once, unheld) or the answer had none.
+        self._etag: str | None = None
+        self._hold_failed = False
 
     @staticmethod
     def default_endpoint() -> str:
         return f"http://{os.environ.get('GCE_METADATA_HOST', LINK_LOCAL)}"
 
+    @property
+    def holds(self) -> bool:
+        return self._etag is not None and not self._hold_failed
+
     def notice(self) -> str | None:
-        body, headers = self._read("/computeMetadata/v1/instance/preempted", self._HEADERS)
+        return self._flag(*self._read(self.PREEMPTED, self._HEADERS))
+
+    def wait(self) -> str | None:
+        if not self.holds:
+            return self.notice()
+        query = urlencode({"wait_for_change": "true", "last_etag": self._etag,
+                           "timeout_sec": self.HOLD_SECONDS})
+        try:
+            return self._flag(*self._read(f"{self.PREEMPTED}?{query}", self._HEADERS,
+                                          held=self.HOLD_SECONDS))
+        except (OSError, ValueError) as e:
+            if self._closed:
+                raise
+            self._hold_failed = True
+            log.info("GCP's metadata server at %s failed a request held until its "
+                     "preempted flag changes (%s): polling it instead", self.endpoint, e)
+            return self.notice()
+
+    def _flag(self, body: bytes, headers: http.client.HTTPMessage) -> str | None:
+        """The notice an answer about instance/preempted gives (its ETag kept)."""
         answer = body.decode(errors="replace").strip()
         # GCE's server signs every answer with the flavor; another service may say 200.
         if headers.get("Metadata-Flavor") != "Google" or answer not in ("TRUE", "FALSE"):
             raise ValueError(f"not GCE's metadata server: {answer[:60]!r}")
+        self._etag = headers.get("ETag") if answer == "FALSE" else None
         return "GCP preemption notice" if answer == "TRUE" else None
 
 

@@ -7,16 +7,17 @@ SIGTERM. Every rank:
     catches SIGTERM (the notice of last resort, and how launchers stop their workers)
         and SIGUSR1 (a warning only: SLURM's --signal=USR1@S before the time limit);
     on local rank 0 of each node, a thread finds which cloud's metadata service answers
-        (spotring/metadata.py; PreemptionOptions.notices) and polls it every
-        poll_seconds: a spot notice stops the job, EC2's rebalance recommendation (the
-        risk went up) checkpoints now
+        (spotring/metadata.py; PreemptionOptions.notices) and asks it for a notice again
+        and again: GCP's server holds each request until its preempted flag changes,
+        EC2's and Azure's are polled every poll_seconds (0.5 s). A spot notice stops the
+        job, EC2's rebalance recommendation (the risk went up) checkpoints now
 
 and every few steps the ranks add up their votes in one small allreduce, so all of them
 see the same answer at the same step. The sum is read one step after it is sent, so that
-the allreduce overlaps that step's computation. On "stop", rank 0 writes a checkpoint at
-once and the job exits with code 75 (preempted); the launcher replaces the node and
-resumes. Off every cloud the first probes fail within a second each and the thread
-stops after three of them; SIGTERM still works.
+the allreduce overlaps that step's computation. On "stop", every rank writes its part of
+a checkpoint at once and the job exits with code 75 (preempted); the launcher replaces
+the node and resumes. Off every cloud each probe fails within a second, and the thread
+gives up after 10 s of them (_FIND_SECONDS); SIGTERM still works.
 
 How often the ranks vote (PreemptionOptions.check_every_steps; by default automatic):
 each vote carries every rank's proposal of the interval, from its own measures of the
@@ -51,10 +52,12 @@ NOTICE_SECONDS = metadata.EC2.notice_seconds
 # Signals that stop the run as a spot notice does: SIGTERM from the OS and launchers,
 # SIGUSR1 from schedulers asked for a warning that is not also their kill signal.
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-_PROBES = 3  # first rounds of requests before deciding there is no metadata service
-# How long close() waits for the watcher: a poll in flight is up to three requests
-# (EC2: token, notice, rebalance) of a Source's 1 s timeout.
-_CLOSE_SECONDS = 3.5
+# How long the watcher probes, every poll_seconds, before deciding that no metadata
+# service answers (a busy new instance's may miss a probe; off every cloud all fail).
+_FIND_SECONDS = 10.0
+# How long close() waits for the watcher: it ends the request in flight at once
+# (metadata.Source.close), but one still connecting ends at a Source's 1 s timeout.
+_CLOSE_SECONDS = 2.0
 VOTE_BUDGET = 0.01  # the share of the steps' time the automatic interval lets votes take
 VOTE_SPAN_SECONDS = 1.0  # the most steps' time between two automatic votes
 
@@ -106,9 +109,11 @@ class Preemption:
         self._vote_seconds = 0.0
         self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
         self._thread: threading.Thread | None = None
-        candidates = metadata.sources(options.notices)
-        if candidates and local_rank == 0:
-            self._thread = threading.Thread(target=self._watch, args=(candidates,),
+        # The services this rank's watcher asks (probes, then the one found): close()
+        # ends their requests.
+        self._sources = metadata.sources(options.notices) if local_rank == 0 else []
+        if self._sources:
+            self._thread = threading.Thread(target=self._watch, args=(self._sources,),
                                             name="spot-notice-watcher", daemon=True)
             self._thread.start()
 
@@ -131,26 +136,30 @@ class Preemption:
             self._stop = reason
 
     def _find(self, candidates: list[metadata.Source]) -> metadata.Source | None:
-        """The service among ``candidates`` that answers, over up to _PROBES rounds (a
-        busy new instance may miss one; off every cloud all fail)."""
-        for probe in range(_PROBES):
-            if (found := metadata.detect(candidates)) is not None:
-                return found
-            if probe == _PROBES - 1 or self._closed.wait(self.options.poll_seconds):
-                break
-        log.debug("no instance metadata service answers (%s): not watching for spot "
-                  "notices", ", ".join(f"{c.cloud} at {c.endpoint}" for c in candidates))
-        return None
+        """The service among ``candidates`` that answers, probed every poll_seconds for
+        up to _FIND_SECONDS; None where none does, or once closed."""
+        deadline = time.monotonic() + _FIND_SECONDS
+        while (found := metadata.detect(candidates)) is None:
+            if time.monotonic() > deadline:
+                log.debug("no instance metadata service answers (%s): not watching for "
+                          "spot notices",
+                          ", ".join(f"{c.cloud} at {c.endpoint}" for c in candidates))
+                return None
+            if self._closed.wait(self.options.poll_seconds):
+                return None
+        return found
 
     def _watch(self, candidates: list[metadata.Source]) -> None:
         source = self.source = self._find(candidates)
         if source is None:
             return
-        log.info("watching %s's metadata service at %s for spot notices every %g s",
-                 source.cloud, source.endpoint, self.options.poll_seconds)
+        log.info("watching %s's metadata service at %s for spot notices %s", source.cloud,
+                 source.endpoint, "with requests it holds until its notice changes"
+                 if source.holds else f"every {self.options.poll_seconds:g} s")
         while True:
+            asked = time.monotonic()
             try:
-                notice = source.notice()
+                notice = source.wait()
                 if notice is not None:
                     self._notice(notice)
                     log.warning("%s", notice)
@@ -159,9 +168,12 @@ class Preemption:
                     log.warning("%s rebalance recommendation: checkpointing now",
                                 source.cloud)
                     self._rebalance.set()
-            except (OSError, ValueError) as e:  # a hiccup; the next poll may work
-                log.debug("%s metadata poll failed: %s", source.cloud, e)
-            if self._closed.wait(self.options.poll_seconds):
+            except (OSError, ValueError) as e:  # a hiccup (or close()); the next may work
+                log.debug("%s metadata request failed: %s", source.cloud, e)
+            # A request the service held is followed by the next at once; one answered at
+            # once (or failed), at the end of the interval that it began.
+            pause = self.options.poll_seconds - (time.monotonic() - asked)
+            if self._closed.wait(max(0.0, pause)):
                 return
 
     def decide(self) -> Decision:
@@ -226,12 +238,15 @@ class Preemption:
         return Decision(None, False)
 
     def close(self) -> None:
-        """Stop watching, and wait for the watcher to end. Left to end during interpreter
-        exit, its thread would drop the last reference to this object, whose pending
-        votes hold a tensor: freeing it there aborts the process ("terminate called
-        without an active exception") after a run that succeeded, about once in 50
-        single-process runs on a busy host. The signal handlers stay: restore_signals."""
+        """Stop watching, ending the metadata request in flight, and wait for the watcher
+        to end (within _CLOSE_SECONDS). Left to end during interpreter exit, its thread
+        would drop the last reference to this object, whose pending votes hold a tensor:
+        freeing it there aborts the process ("terminate called without an active
+        exception") after a run that succeeded, about once in 50 single-process runs on
+        a busy host. The signal handlers stay: restore_signals."""
         self._closed.set()
+        for source in self._sources:
+            source.close()
         if self._thread is not None:
             self._thread.join(_CLOSE_SECONDS)
 

@@ -4,7 +4,7 @@
     files = write(state, folder, comm)            # this rank's files in folder
     staged = Stager(pinned).stage(state, comm)    # this rank's share, copied to CPU memory
     files = write(staged, folder, comm)           # ... and written later, on any thread
-    read(state, LocalFolder(path) or S3Folder(store, folder), comm)   # in place
+    read(state, store, folder, comm)              # in place, from any store
 
 DCP (``torch.distributed.checkpoint``) plans a save across the ranks: a sharded tensor
 (FSDP's DTensor) is written by the rank that holds each shard, and a tensor every rank
@@ -14,9 +14,10 @@ coordinator (rank 0) the ``.metadata`` that says where every piece of every tens
 reader of any world size and any engine asks the metadata for the pieces of its own
 tensors and reads only those: resharding on load.
 
-From S3 the pieces are read as byte ranges of the parts (``S3Folder``), so a rank
-downloads what it needs, not the checkpoint. This module knows nothing of manifests:
-spotring/checkpoint.py lists, verifies and publishes the parts.
+From a bucket store (S3, GCS, Azure Blob) the pieces are read as byte ranges of the parts
+(``_StoreFiles``), so a rank downloads what it needs, not the checkpoint. This module
+knows nothing of manifests: spotring/checkpointer.py publishes the parts, and
+spotring/checkpoint.py lists and verifies them.
 """
 
 from __future__ import annotations
@@ -39,15 +40,15 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemRe
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from spotring.stores import S3Store
+from spotring.stores import DirectoryStore, Store
 
-__all__ = ["ALONE", "CheckpointException", "Comm", "LocalFolder", "S3Folder", "Staged",
-           "Stager", "failures", "load_whole", "read", "write"]
+__all__ = ["ALONE", "CheckpointException", "Comm", "Staged", "Stager", "failures",
+           "load_whole", "read", "write"]
 
 # DCP's global metadata file in a checkpoint's folder, written by rank 0.
 METADATA = ".metadata"
-# An S3 part is read ahead in requests of this size: DCP reads a tensor's bytes in many
-# small reads, each one request without it.
+# A part in a bucket store is read ahead in requests of this size: DCP reads a tensor's
+# bytes in many small reads, each one request without it.
 _READ_AHEAD_BYTES = 8 * 1024 * 1024
 
 
@@ -183,36 +184,18 @@ class _StagedPlanner(DefaultSavePlanner):
         return io.BytesIO(data) if isinstance(data, bytes) else data
 
 
-@dataclass(frozen=True)
-class LocalFolder:
-    """A checkpoint's folder on this host's disk."""
-
-    path: Path
-
-    def reader(self) -> dcp.StorageReader:
-        return FileSystemReader(self.path)
-
-
-@dataclass(frozen=True)
-class S3Folder:
-    """A checkpoint's folder in S3: ``folder`` under ``store``'s prefix."""
-
-    store: S3Store
-    folder: str
-
-    def reader(self) -> dcp.StorageReader:
-        reader = FileSystemReader(self.folder)
-        reader.fs = _S3Files(self.store)  # byte ranges of the parts, asked of S3
-        reader.path = self.folder
-        return reader
-
-
-def read(state: dict[str, Any], source: LocalFolder | S3Folder, comm: Comm) -> None:
-    """Load the checkpoint at ``source`` into ``state``'s tensors, in place (a collective
-    over ``comm``): each rank reads the pieces its own tensors hold, from any world size."""
+def read(state: dict[str, Any], store: Store, folder: str, comm: Comm) -> None:
+    """Load the checkpoint in ``folder`` of ``store`` into ``state``'s tensors, in place (a
+    collective over ``comm``): each rank reads the pieces its own tensors hold, from any
+    world size."""
+    if isinstance(store, DirectoryStore):
+        reader = FileSystemReader(store.path / folder)
+    else:
+        reader = FileSystemReader(folder)
+        reader.fs = _StoreFiles(store)  # byte ranges of the parts, asked of the store
+        reader.path = folder
     with _alone_is_meant(comm):
-        dcp.load(state, storage_reader=source.reader(), process_group=comm.group,
-                 no_dist=comm.alone)
+        dcp.load(state, storage_reader=reader, process_group=comm.group, no_dist=comm.alone)
 
 
 @contextlib.contextmanager
@@ -246,10 +229,10 @@ def load_whole(folder: Path) -> dict[str, Any]:
         return torch.load(whole, map_location="cpu", weights_only=True)
 
 
-class _S3Object(io.RawIOBase):
-    """An S3 object read as a seekable file, each read one ranged GET."""
+class _StoreObject(io.RawIOBase):
+    """An object of a store read as a seekable file, each read one ranged GET."""
 
-    def __init__(self, store: S3Store, name: str) -> None:
+    def __init__(self, store: Store, name: str) -> None:
         self.store, self.name, self.position = store, name, 0
         self._size: int | None = None
 
@@ -279,17 +262,19 @@ class _S3Object(io.RawIOBase):
         return len(data)
 
 
-class _S3Files(FileSystemBase):
-    """What DCP's FileSystemReader asks of a file system, answered from S3 (reads only)."""
+class _StoreFiles(FileSystemBase):
+    """What DCP's FileSystemReader asks of a file system, answered from a store (reads
+    only)."""
 
-    def __init__(self, store: S3Store) -> None:
+    def __init__(self, store: Store) -> None:
         self.store = store
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
         if mode != "rb":
-            raise io.UnsupportedOperation(f"S3 parts are read here, not written ({mode})")
-        yield io.BufferedReader(_S3Object(self.store, str(path)), _READ_AHEAD_BYTES)
+            raise io.UnsupportedOperation(f"a store's parts are read here, not written "
+                                          f"({mode})")
+        yield io.BufferedReader(_StoreObject(self.store, str(path)), _READ_AHEAD_BYTES)
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
         return f"{path}/{suffix}"
@@ -298,12 +283,12 @@ class _S3Files(FileSystemBase):
         return str(path)
 
     def _read_only(self, *args: Any) -> Any:
-        raise io.UnsupportedOperation("S3 parts are read here, not written")
+        raise io.UnsupportedOperation("a store's parts are read here, not written")
 
     rename = mkdir = rm_file = _read_only
 
     def exists(self, path: str | os.PathLike) -> bool:
-        return str(path) in self.store.names()
+        return str(path) in self.store.sizes(str(path))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

@@ -139,9 +139,7 @@ class Runner:
             return optuna.trial.Trial(study, frozen._trial_id)
         if len(study.trials) >= self.plan.trials:
             return None
-        trial = study.ask({p.key: p.distribution for p in self.plan.params})
-        trial.set_user_attr("params", self._params(trial.params))
-        return trial
+        return study.ask({p.key: p.distribution for p in self.plan.params})
 
     def _params(self, sampled: dict[str, Any]) -> dict[str, str]:
         """KEY -> the value a trial's command line gets, for Optuna's sampled values."""
@@ -178,6 +176,9 @@ class Runner:
             # trial.log numbers the attempt by that count, so a gap there is an attempt
             # counted whose sweep was killed before it began.
             starts = frozen.user_attrs.get("starts", 0)
+            # Here, not where the trial was asked for: a sweep killed between the two
+            # leaves a trial its successor resumes, which gets them then.
+            trial.set_user_attr("params", self._params(trial.params))
             trial.set_user_attr("starts", starts + 1)
             self.study.save()
             _stamp(out, f"{starts + 1} starts on {slot.label}")
@@ -329,7 +330,7 @@ def _stamp(log: IO[bytes], event: str) -> None:
 def _has_checkpoint(trial_dir: Path) -> bool:
     """Whether the trial's run directory holds a checkpoint its next attempt resumes from
     (one here; a trial on a cluster keeps its own on its node or in S3)."""
-    folder = trial_dir / "checkpoints"
+    folder = checkpoint.directory_of(trial_dir)
     return folder.is_dir() and bool(checkpoint.manifests(p.name for p in folder.iterdir()))
 
 

@@ -17,7 +17,7 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 
 from spotring.exits import ConfigError
-from spotring.stores import S3Store
+from spotring.stores import open_store
 from spotring.sweep.config import Plan
 
 JOURNAL = "study.journal"
@@ -27,8 +27,8 @@ log = logging.getLogger("launch")
 class Study:
     def __init__(self, plan: Plan, sweep_dir: Path, remote_uri: str | None) -> None:
         self.plan, self.path = plan, sweep_dir / JOURNAL
-        self.remote = S3Store(f"{remote_uri.rstrip('/')}/sweeps/{plan.cfg.sweep.name}") \
-            if remote_uri else None
+        self.remote = open_store(f"{remote_uri.rstrip('/')}/sweeps/{plan.cfg.sweep.name}",
+                                 key="sweep.checkpoint_uri") if remote_uri else None
         if self.remote is not None and not self.path.exists() and JOURNAL in self.remote.names():
             self.path.write_bytes(self.remote.read(JOURNAL))
             log.info("sweep: the study from %s", self.remote.location(JOURNAL))

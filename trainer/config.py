@@ -37,7 +37,7 @@ RUN_DIR_RESOLVER = "spotring.run_dir"
 # ----------------------------------------------------------------------------- choices
 
 
-DatasetName = choices("DatasetName", "mnist cifar10 synthetic image_folder")
+DatasetName = choices("DatasetName", "mnist cifar10 synthetic image_folder shards")
 ModelName = choices("ModelName", "convnet lenet cifar_convnet cifar_resnet torchvision")
 OptimizerName = choices("OptimizerName", "sgd adamw")
 Decay = choices("Decay", "cosine step none")
@@ -79,6 +79,21 @@ class ImageFolderDatasetConfig(DatasetConfig):
     size: int = 224  # the side of the square crops the model sees
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])  # ImageNet's
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+
+
+@dataclass
+class ShardsDatasetConfig(DatasetConfig):
+    """WebDataset tar shards in a store, streamed (spotring.Shards, docs/streaming.md):
+    images (.png, .jpg) and labels (.cls); the shape and the number of classes come from
+    the shards' index."""
+
+    uri: str | None = None  # required: s3://bucket/prefix, gs://, az://, or a directory
+    test_uri: str | None = None  # the evaluation shards; default: the training shards
+    cache_dir: str | None = None  # default $SPOTRING_CACHE_DIR, else ~/.cache/spotring/shards
+    cache_limit_gb: float = 16  # GiB of shard blocks kept on each node's disk
+    # Per channel, of images scaled to [0, 1]; default 0.5 and 0.25 for every channel.
+    mean: list[float] | None = None
+    std: list[float] | None = None
 
 
 @dataclass
@@ -242,6 +257,7 @@ def register() -> None:
         ("dataset", "dataset", DatasetConfig),
         ("dataset", "synthetic", SyntheticDatasetConfig),
         ("dataset", "image_folder", ImageFolderDatasetConfig),
+        ("dataset", "shards", ShardsDatasetConfig),
         ("model", "model", ModelConfig),
         ("model", "convnet", ConvNetConfig),
         ("model", "cifar_convnet", CifarConvNetConfig),

@@ -4,27 +4,26 @@ Every optimizer step:
 
     lr = schedule(step)                        linear scaling + warmup + decay
     for each of K micro-batches:               this rank's slice of the global batch
-        loss = criterion(model(x), y) / K      (x engine.loss_scale: 1, or 1/W where
-                                               the engine's allreduce sums; under
-                                               autocast for train.precision=bf16|fp16)
-        scaler.scale(loss).backward()          all but the last inside engine.no_sync:
-                                               the allreduce runs once per step
-    engine.step(optimizer, scaler)             gradients are the average over all
+        with job.micro_step():                 all but the last without the allreduce,
+                                               which runs once per step; autocast for
+                                               train.precision=bf16|fp16
+            loss = criterion(model(x), y)
+            job.backward(loss)                 loss / K (x the engine's loss scale),
+                                               scaled for fp16
+    job.step(optimizer)                        gradients are the average over all
                                                G = B x W x K samples of the global batch
-                                               (the scaler: fp16 only; else a no-op)
     every log_every steps: metrics summed over ranks, logged by rank 0
-    every checkpoint.every_steps and at each epoch end: checkpoint (rank 0 writes)
+    every checkpoint.every_steps and at each epoch end: checkpoint (every rank writes its part)
     every step: the ranks vote on spot notices; on one, checkpoint and stop (exit 75)
     a NaN or infinite loss in those metrics or a test: every rank stops (exit 65)
 
 The loop knows neither the engine nor the launcher: it calls the spotring Job it is given
-(spotring/job.py: checkpoints, the vote, the exit codes; the API a user's script uses)
-and the Engine interface for the micro-steps.
+(spotring/job.py), the API a user's script uses: the micro-steps, backward and step,
+checkpoints, the vote, the exit codes; and the engine's sums for its metrics.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import resource
@@ -328,21 +327,21 @@ class Trainer:
         self.stopwatch.start()
 
     def _train_step(self, batch: Batch) -> None:
-        k = len(batch.micro)
-        for i, (x, y) in enumerate(batch.micro):
-            sync = i == k - 1  # only the last micro-step's backward runs the allreduce
-            with contextlib.nullcontext() if sync else self.engine.no_sync(self.model):
-                with self.job.autocast():  # the loss comes out float32 either way
-                    logits = self.model(x)
-                    loss = self.criterion(logits, y)
+        """One optimizer step over the batch's micro-batches, as a script on the API
+        takes it: the job's micro-steps (the allreduce on the last one only, autocast),
+        its backward (divided by the accumulation, scaled for fp16) and its step."""
+        for x, y in batch.micro:
+            with self.job.micro_step():  # the loss comes out float32 under autocast too
+                logits = self.model(x)
+                loss = self.criterion(logits, y)
                 with torch.no_grad():
                     self._sums += torch.stack([loss * len(y), (logits.argmax(1) == y).sum(),
                                                torch.tensor(len(y), device=y.device)])
                 if self.cfg.model.l1:
                     loss = loss + self.cfg.model.l1 * l1_penalty(self.raw_model)
-                self.job.scaler.scale(loss * (self.engine.loss_scale / k)).backward()
-        self.engine.step(self.optimizer, self.job.scaler)
-        self.optimizer.zero_grad()  # sets grads to None (torch >= 2.0)
+                self.job.backward(loss)
+        stepped = self.job.step(self.optimizer)  # zero_grad too: grads to None
+        assert stepped, "a global batch of other than train.accumulation micro-batches"
 
     def _log_interval(self, last: tuple[int, float], lr: float) -> tuple[int, float]:
         """Loss and accuracy over all ranks since the last log line (one small allreduce)."""
@@ -367,7 +366,10 @@ class Trainer:
                                       self.cfg.train.eval_samples):
             with self.job.autocast():
                 logits = self.raw_model(x)
-            sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum"),
+            # Scored in the model's dtype (float64 runs in float64; bf16 logits of autocast
+            # in the float32 of the weights).
+            logits = logits.to(DTYPES[self.cfg.train.dtype])
+            sums += torch.stack([F.cross_entropy(logits, y, reduction="sum"),
                                  (logits.argmax(1) == y).sum(),
                                  torch.tensor(len(y), device=y.device)])
         self.raw_model.train()

@@ -1,29 +1,51 @@
-"""What every checkpoint of a job holds, and how it is saved and restored on any world size.
+"""The checkpoint manager: what a job's checkpoints hold, and how its ranks save and
+restore them on any world size, under any engine, in any store.
 
-    state = State(checkpoints, engine, seed)
-    state.tracked.update(model=model, optimizer=optimizer, loader=loader, counters={...})
-    state.annotations.update(model="resnet20")   # every manifest carries it; restore checks it
-    state.save(scaler, background=True)          # every rank calls it; every rank writes
-    state.restore("auto", scaler)                # every rank reads what it needs
+    checkpointer = Checkpointer(checkpoints, engine, seed)
+    checkpointer.tracked.update(model=model, optimizer=optimizer, loader=loader)
+    checkpointer.annotations.update(model="resnet20")  # every manifest carries it
+    checkpointer.save(scaler, background=True)         # every rank calls it, and writes
+    checkpointer.restore("auto", scaler)               # every rank reads what it needs
 
-A checkpoint holds each tracked model's and optimizer's state as
-torch.distributed.checkpoint's state dicts (``get_state_dict``: keyed by parameter names,
-whatever wraps the model, sharded where FSDP shards it), which every rank writes its part
-of and reads back onto any world size and any engine (spotring/sharded.py), and beside
-them, written by rank 0, the other tracked objects' states and spotring's own: the step,
-every rank's RNG state and the gradient scaler (spotring/checkpoint.py publishes and
-verifies the parts).
+spotring.Job holds one (``job.save``, ``job.restore``). What a checkpoint is in a store
+(names, manifest, format, verification) is spotring/checkpoint.py; DCP's part of the
+writing and reading, spotring/sharded.py; the stores, spotring/stores/.
 
-Who writes: every rank its part where every rank can read every part back, that is where
-the ranks share one host (one disk) or checkpoint.uri names S3; where they run on hosts
-of their own with nothing shared, rank 0 gathers the whole state and writes it alone,
-and restores it by sending each rank its part.
+A save, top to bottom (``Checkpointer.save``, then ``publish``):
 
-A background save (``background=True``) returns once this rank's share of the state (the
-pieces it will write) is copied to CPU memory; a thread writes, uploads and publishes it
-while training goes on; at most one is in flight, and any other save, a restore or the
-end of the job first waits for it.
-spotring.Job holds one State; this module knows nothing of notices, metrics or exit codes.
+ 1. wait for the save in flight (at most one); refuse weights that are not finite
+    (Diverged: never a checkpoint to resume a diverged run from)
+ 2. what: the tracked models' and optimizers' state dicts, as DCP's ``get_state_dict``
+    gives them (keyed by parameter names whatever wraps the model, sharded where FSDP
+    shards it); rank 0's extras beside them (the other tracked objects' states, the
+    step, every rank's RNG state, the gradient scaler); the manifest's meta
+ 3. who writes: every rank its part where every rank can read every part back (the
+    ranks share one host, or a checkpoint.uri names a store all reach); else rank 0
+    gathers the whole state and writes it alone
+ 4. in the background: copy this rank's share to CPU memory (sharded.Stager) and publish
+    on a thread while training goes on; else publish now. Then ``publish``:
+ 5. every rank writes its part into the checkpoint directory (sharded.write), rank 0
+    spotring.pt
+ 6. each reads its files back (size and sha256) and uploads them to the uri's store,
+    checking the size stored
+ 7. the ranks gather their reports: a failure on any rank is raised on every rank,
+    naming the rank and the object, and the checkpoints before are all kept
+ 8. rank 0 writes the manifest, last, to every store that holds every part, reads it
+    back, and drops what is beyond checkpoint.keep there; each host from its directory
+
+A restore, top to bottom (``Checkpointer.restore``):
+
+ 1. rank 0 finds the candidates (resume=auto: every store's, newest first; or the one
+    named) and sends them to the others
+ 2. each candidate in turn: every rank checks its share of the parts against the
+    manifest; one with a part missing, short or corrupt is reported, naming the part,
+    and skipped (or refused, where it was named)
+ 3. its manifest's annotations must be the job's (ConfigError otherwise)
+ 4. every rank reads the pieces its own tensors hold, from any world size that wrote
+    them (DCP's reader, by ranged reads from a bucket store); or, where the ranks do
+    not share the directory that holds it, rank 0 reads it whole and sends each its part
+ 5. the other tracked objects, the RNG states (fresh ones on another world size), the
+    scaler, and the step
 """
 
 from __future__ import annotations
@@ -33,7 +55,9 @@ import logging
 import math
 import socket
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,9 +77,12 @@ from spotring.checkpoint import (
     EXTRAS,
     SINGLE_FILE,
     Checkpoint,
+    CheckpointNotSaved,
     Checkpoints,
     Saved,
     find_resume,
+    folder_name,
+    manifest_bytes,
 )
 from spotring.engines import Engine
 from spotring.exits import ConfigError, Diverged
@@ -68,9 +95,10 @@ _POSITION = ("epoch", "offset", "global_batch", "steps_per_epoch")
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-class State:
+class Checkpointer:
     """The tracked objects of a job, its annotations, and where it stands: the step of
-    the newest checkpoint written (``saved_step``) and the one resumed from.
+    the newest checkpoint begun (``saved_step``), the newest published (``saved``) and
+    the one resumed from.
 
     sharded: CheckpointOptions.sharded (None: where every rank reads every part back).
     notice_seconds: how long the cloud's notice gives (read after each save, to warn
@@ -119,9 +147,9 @@ class State:
 
     def save(self, scaler: torch.amp.GradScaler, background: bool = False) -> Saved | None:
         """Checkpoint the tracked state (a collective). Blocking: returns once it is
-        published (rank 0 gets what was written, the others too); background: once it is
-        copied to CPU memory (None; ``saved`` follows when done). Raises Diverged where a
-        tracked model's weights are not finite on any rank."""
+        published (what was written, on every rank); background: once this rank's share
+        is copied to CPU memory (None; ``saved`` follows when done). Raises Diverged where
+        a tracked model's weights are not finite on any rank."""
         self.wait()
         step = self.step_count
         self._check_finite(step)
@@ -138,48 +166,55 @@ class State:
         whole = not self.sharded if self.sharded is not None else not (
             self._shared or self.checkpoints.remote is not None)
         state = self._tensor_state(_FULL if whole else None)
+        self.saved_step = step
         if whole:  # rank 0 alone writes, the others are done
             comm = sharded.ALONE
             if self.engine.rank != 0:
-                self.saved_step = step
                 return None
         if background:
             if self._stager is None:
                 self._stager = sharded.Stager(pinned=self.engine.device.type == "cuda")
             state = self._stager.stage(state, comm)
             self._pending = threading.Thread(
-                target=self._write_in_background, args=(state, meta, extras, comm),
+                target=self._publish_in_background, args=(state, meta, extras, comm),
                 name=f"spotring-checkpoint-{step}", daemon=True)
-            self.saved_step = step
             self._pending.start()
             return None
-        self.saved_step = step
-        return self._write(state, meta, extras, comm)
+        return self._publish(state, meta, extras, comm)
 
-    def _write(self, state: dict[str, Any] | sharded.Staged, meta: dict[str, Any],
-               extras: dict[str, Any], comm: sharded.Comm) -> Saved:
-        saved = self.checkpoints.save(state, meta, extras, comm,
-                                      cleans=self.engine.local_rank == 0)
+    def _publish(self, state: dict[str, Any] | sharded.Staged, meta: dict[str, Any],
+                 extras: dict[str, Any], comm: sharded.Comm) -> Saved:
+        saved = publish(self.checkpoints, state, meta, extras, comm,
+                        cleans=self.engine.local_rank == 0)
         self.saved = saved
         if self.engine.rank == 0:
             log.info("checkpoint %s, %s", saved.location, saved.describe())
             self._warn_if_too_slow(saved)
         return saved
 
-    def _write_in_background(self, *args: Any) -> None:
+    def _publish_in_background(self, *args: Any) -> None:
         try:
-            self._write(*args)
+            self._publish(*args)
         except BaseException as e:  # raised on the training thread, by wait()
             self._failed = e
 
-    def wait(self) -> None:
-        """Until the background save in flight (if any) is published; re-raises its error."""
+    @property
+    def in_flight(self) -> int | None:
+        """The step of the background save in flight, if one is."""
+        return self.saved_step if self._pending is not None else None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until the background save in flight (if any) is published, or ``timeout``
+        seconds have passed (False: it is still in flight); re-raises its error."""
         if self._pending is not None:
-            self._pending.join()
+            self._pending.join(timeout)
+            if self._pending.is_alive():
+                return False
             self._pending = None
         if (failed := self._failed) is not None:
             self._failed = None
             raise failed
+        return True
 
     def _warn_if_too_slow(self, saved: Saved) -> None:
         """Rank 0, once: say so where a checkpoint takes longer than the notice gives."""
@@ -225,12 +260,10 @@ class State:
         self.wait()
         comm = self._collectives()
         candidates = None
-        if self.engine.rank == 0:
-            found = (find_resume(source, self.checkpoints) if isinstance(source, str)
-                     else [] if source is None else [source])
-            candidates = [self._portable(c) for c in found]
-        for portable in comm.broadcast(candidates):
-            checkpoint = self._rebuild(portable)
+        if self.engine.rank == 0:  # a store pickles as its location
+            candidates = (find_resume(source, self.checkpoints) if isinstance(source, str)
+                          else [] if source is None else [source])
+        for checkpoint in comm.broadcast(candidates):
             whole = checkpoint.format == SINGLE_FILE or (
                 isinstance(checkpoint.store, DirectoryStore) and not self._shared)
             if problems := self._problems(checkpoint, comm, whole):
@@ -258,14 +291,11 @@ class State:
         """The tensors into the tracked models and optimizers; returns the rest."""
         if not whole:
             state = self._tensor_state()
-            source = (sharded.LocalFolder(checkpoint.store.path / checkpoint.folder)
-                      if isinstance(checkpoint.store, DirectoryStore)
-                      else sharded.S3Folder(checkpoint.store, checkpoint.folder))
-            sharded.read(state, source, comm)
+            sharded.read(state, checkpoint.store, checkpoint.folder, comm)
             self._apply(state, None)
             extras = checkpoint.store.read(f"{checkpoint.folder}/{EXTRAS}")
             return torch.load(io.BytesIO(extras), map_location="cpu", weights_only=True)
-        loaded = checkpoint.load() if comm.rank == 0 else {}
+        loaded = load_whole(checkpoint) if comm.rank == 0 else {}
         if comm.rank == 0 and checkpoint.format == SINGLE_FILE:
             loaded = self._named_optimizer_states(loaded)
         full = StateDictOptions(full_state_dict=True, broadcast_from_rank0=not comm.alone)
@@ -374,19 +404,138 @@ class State:
                     str(self.checkpoints.local.path)))
         return self._comm
 
-    def _portable(self, checkpoint: Checkpoint) -> tuple:
-        """``checkpoint`` as rank 0 sends it to the others: its store by index (or
-        directory), its manifest's name, the manifest and its location."""
-        stores = self.checkpoints.stores
-        where = (stores.index(checkpoint.store) if checkpoint.store in stores
-                 else str(checkpoint.store.path))
-        return where, checkpoint.name, checkpoint.manifest, checkpoint.location
 
-    def _rebuild(self, portable: tuple) -> Checkpoint:
-        where, name, manifest, location = portable
-        store = (self.checkpoints.stores[where] if isinstance(where, int)
-                 else DirectoryStore(where))
-        return Checkpoint(location, manifest, store, name)
+# --------------------------------------------------------------------------- publishing
+
+
+def publish(checkpoints: Checkpoints, state: Any, meta: dict[str, Any],
+            extras: dict[str, Any] | None = None, comm: sharded.Comm = sharded.ALONE,
+            cleans: bool = True) -> Saved:
+    """Write the checkpoint of step ``meta['step']`` to ``checkpoints``' stores (a
+    collective over ``comm``; ALONE: this process alone): every rank its part of
+    ``state`` (DCP: tensors, sharded or alike on every rank; or a sharded.Staged copy of
+    this rank's share) into its checkpoint directory, rank 0 ``extras`` (torch.save:
+    positions, RNG states) beside them; each rank reads its files back and uploads them
+    to the uri's store; rank 0 then writes the manifest to every store that holds every
+    part (the checkpoint directory only where the ranks share it, or are one) and drops
+    the checkpoints beyond checkpoint.keep in the uri's store; ``cleans``: this process
+    also drops them from its checkpoint directory (one process per host does: local rank
+    0). Raises CheckpointNotSaved on every rank, naming the rank and the object, where any
+    rank failed; the checkpoints before are all kept."""
+    started = time.time()
+    folder = folder_name(meta["step"])
+    report: dict[str, Any] = {"rank": comm.rank}
+    try:
+        files = sharded.write(state, checkpoints.local.path / folder, comm)
+        if comm.rank == 0:
+            checkpoints.local.write(f"{folder}/{EXTRAS}", _bytes_of(extras or {}))
+            files.append(EXTRAS)
+        report |= _stored(checkpoints, folder, files, started)
+    except (Exception, sharded.CheckpointException) as e:
+        # Every rank must hear of it, or the others wait forever. (DCP's own
+        # CheckpointException, gathered from every rank, is a BaseException.)
+        report["error"] = "; ".join(
+            f"rank {rank}: {type(error).__name__}: {error}"
+            for rank, error in sharded.failures(e, comm.rank).items())
+    reports = comm.all_gather(report)
+    if errors := [r["error"] for r in reports if "error" in r]:
+        raise CheckpointNotSaved("; ".join(errors))
+    saved = None
+    if comm.rank == 0:
+        try:
+            saved = _manifest(checkpoints, folder, meta, reports)
+        except Exception as e:
+            saved = CheckpointNotSaved(f"rank 0: {type(e).__name__}: {e}")
+    saved = comm.broadcast(saved)
+    if isinstance(saved, Exception):
+        raise saved
+    if cleans:
+        checkpoints.drop_old(checkpoints.local)
+    return saved
+
+
+def _stored(checkpoints: Checkpoints, folder: str, files: list[str],
+            started: float) -> dict[str, Any]:
+    """This rank's part of a save, after DCP wrote its files: each read back (size and
+    sha256 from the disk), then uploaded and its stored size checked."""
+    local, remote = checkpoints.local, checkpoints.remote
+    parts = {}
+    for name in files:
+        path = f"{folder}/{name}"
+        parts[name] = {"bytes": local.size(path), "sha256": local.sha256(path)}
+    times = {local.where: (time.time() - started, time.time())}
+    if remote is not None:
+        for name, part in parts.items():
+            path = f"{folder}/{name}"
+            try:
+                remote.upload(path, local.path / path)
+            except Exception as e:  # cut off, refused: name the object
+                raise CheckpointNotSaved(f"{remote.location(path)}: not uploaded "
+                                         f"({type(e).__name__}: {e})") from e
+            if (stored := remote.size(path)) != part["bytes"]:
+                raise CheckpointNotSaved(f"{remote.location(path)}: {stored} bytes "
+                                         f"stored of the {part['bytes']} written")
+        times[remote.where] = (time.time() - started, time.time())
+    return {"parts": parts, "times": times}
+
+
+def _manifest(checkpoints: Checkpoints, folder: str, meta: dict[str, Any],
+              reports: list[dict[str, Any]]) -> Saved:
+    """Rank 0: the manifest of every rank's parts, on each store that holds them all."""
+    parts = {name: part for r in reports for name, part in r["parts"].items()}
+    manifest = manifest_bytes(parts, meta)
+    rank_bytes = max(sum(p["bytes"] for p in r["parts"].values()) for r in reports)
+    total = sum(p["bytes"] for p in parts.values())
+    location, seconds, done_at = None, {}, {}
+    here = set(checkpoints.local.names())
+    for store in checkpoints.stores:
+        local = store is checkpoints.local
+        if local and not all(f"{folder}/{name}" in here for name in parts):
+            continue  # the ranks write on several disks: the uri's store holds it whole
+        name = folder + ".json"
+        store.write(name, manifest)
+        if store.read(name) != manifest:
+            raise CheckpointNotSaved(f"{store.location(name)}: reads back other than written")
+        seconds[store.where] = max(r["times"][store.where][0] for r in reports)
+        done_at[store.where] = time.time() if not local else max(
+            r["times"][store.where][1] for r in reports)
+        location = location or store.location(folder)
+        if not local:
+            checkpoints.drop_old(store)
+    if location is None:
+        raise CheckpointNotSaved(
+            f"{checkpoints.local.location(folder)}: the ranks wrote their parts on disks of "
+            "their own and no checkpoint.uri holds them all")
+    return Saved(location, total, rank_bytes, len(parts), seconds, done_at)
+
+
+def load_whole(checkpoint: Checkpoint) -> dict[str, Any]:
+    """The whole checkpoint, in this one process, as plain tensors: {tracked name:
+    state_dict, ..., "spotring": {step, rng, ...}}. For readers outside a job (tests,
+    tools) and a rank 0 that sends the others their parts; a job's ranks each read their
+    own part (Checkpointer.restore)."""
+    import tempfile
+
+    if checkpoint.format == SINGLE_FILE:
+        data = checkpoint.store.read(next(iter(checkpoint.parts())))
+        # weights_only: a checkpoint holds tensors and containers, nothing to execute.
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        for name in checkpoint.parts():
+            (folder / name.split("/", 1)[1]).write_bytes(checkpoint.store.read(name))
+        whole = sharded.load_whole(folder)
+        whole.update(torch.load(folder / EXTRAS, map_location="cpu", weights_only=True))
+    return whole
+
+
+def _bytes_of(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+# ----------------------------------------------------------------------- tracked objects
 
 
 def unwrap(model: nn.Module) -> nn.Module:

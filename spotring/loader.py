@@ -29,7 +29,7 @@ import torch.utils.data
 from spotring.exits import ConfigError
 from spotring.global_batch import split_global_batch
 from spotring.runtime import detect
-from spotring.sampler import GlobalBatchSampler
+from spotring.sampler import GlobalBatchSampler, Order
 
 # torch's options that would choose the order, which is spotring's.
 REFUSED = ("shuffle", "sampler", "batch_sampler", "drop_last")
@@ -46,6 +46,9 @@ class DataLoader(torch.utils.data.DataLoader):
     batch_size: the most samples this worker takes per micro-step; the fewest micro-steps
         (accumulation) that keep to it. Default: its whole share in one.
     seed: of the order, one permutation per epoch seeded by (seed, epoch).
+    order: the epoch's permutation as a function of (seed, epoch, G)
+        (spotring.sampler.Order); default the dataset's own ``epoch_order`` method where
+        it has one (spotring.Shards: long runs of its shards), else a uniform permutation.
     rank, world_size: this worker's place; default the launcher's environment
         (spotring.runtime.detect).
     kwargs: to torch's DataLoader (num_workers, pin_memory, persistent_workers,
@@ -55,7 +58,8 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __init__(self, dataset: torch.utils.data.Dataset, global_batch: int, *,
                  batch_size: int | None = None, seed: int = 0, rank: int | None = None,
-                 world_size: int | None = None, **kwargs: Any) -> None:
+                 world_size: int | None = None, order: Order | None = None,
+                 **kwargs: Any) -> None:
         refused = [name for name in REFUSED if name in kwargs]
         if refused:
             raise ConfigError(
@@ -72,7 +76,8 @@ class DataLoader(torch.utils.data.DataLoader):
             world_size = launch.world_size if world_size is None else world_size
         micro, accumulation = split_global_batch(global_batch, world_size, batch_size)
         sampler = GlobalBatchSampler(len(dataset), global_batch, rank=rank,
-                                     world_size=world_size, accumulation=accumulation, seed=seed)
+                                     world_size=world_size, accumulation=accumulation, seed=seed,
+                                     order=order or getattr(dataset, "epoch_order", None))
         super().__init__(dataset, batch_sampler=sampler, **kwargs)
         # torch leaves batch_size None under a batch_sampler and then refuses to set it;
         # every batch of this one has B samples, which is what batch_size means to readers.

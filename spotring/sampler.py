@@ -17,11 +17,16 @@ averages exactly G samples.
 torch's DataLoader, see spotring/loader.py) and the trainer's in-memory batches
 (trainer/data.py) both take their indices from it. `split_global_batch`
 (spotring/global_batch.py) is the one home of the rule that keeps G on W workers.
+
+The permutation is pluggable (an ``Order``): any function of (seed, epoch, G) alone that
+returns a permutation of the N samples keeps the invariant, whatever else it does. The
+default is `epoch_order`, uniform; spotring.Shards gives one that reads a store's shards
+in long runs (spotring/shards/order.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils.data import Sampler
@@ -42,6 +47,13 @@ def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=seeded_generator(seed, epoch))
 
 
+# An epoch's order as a function of (seed, epoch, global batch G): a permutation of the
+# dataset's N sample indices, the same in every process; global batch i is its i-th slice
+# of G. It may depend on G (spotring.Shards cuts the epoch into G streams), never on the
+# world size, the rank or the accumulation.
+Order = Callable[[int, int, int], torch.Tensor]
+
+
 def steps_in_epoch(n: int, global_batch: int, offset: int = 0) -> int:
     """Full global batches left in an epoch from sample ``offset`` on (the tail is dropped)."""
     return (n - offset) // global_batch
@@ -55,12 +67,21 @@ def shard(batch: torch.Tensor, rank: int, world_size: int,
 
 
 def micro_batches(n: int, global_batch: int, *, rank: int, world_size: int, accumulation: int,
-                  seed: int, epoch: int, offset: int = 0
+                  seed: int, epoch: int, offset: int = 0, order: Order | None = None
                   ) -> Iterator[tuple[int, list[torch.Tensor]]]:
     """This rank's part of every global batch of ``epoch`` from sample ``offset`` on: for
     each, the offset after it (the resume position) and its K micro-batches of indices
-    into the ``n`` samples, micro-step 0 first. G must be a multiple of W x K."""
-    order = epoch_order(n, seed, epoch)
+    into the ``n`` samples, micro-step 0 first. G must be a multiple of W x K. ``order``:
+    the epoch's permutation (default `epoch_order`), computed by this call, not at the
+    first batch: a dataset that follows its order (spotring.Shards) learns the epoch
+    before torch's DataLoader copies it into its worker processes."""
+    permutation = (order(seed, epoch, global_batch) if order is not None
+                   else epoch_order(n, seed, epoch))
+    return _slices(permutation, n, global_batch, rank, world_size, accumulation, offset)
+
+
+def _slices(order: torch.Tensor, n: int, global_batch: int, rank: int, world_size: int,
+            accumulation: int, offset: int) -> Iterator[tuple[int, list[torch.Tensor]]]:
     for _ in range(steps_in_epoch(n, global_batch, offset)):
         end = offset + global_batch
         yield end, shard(order[offset:end], rank, world_size, accumulation)
@@ -80,11 +101,13 @@ class GlobalBatchSampler(Sampler[list[int]]):
     num_samples: the dataset's length. global_batch: G, a multiple of world_size x
     accumulation. rank, world_size: this worker's place. accumulation: K, micro-steps
     per global batch (spotring.split_global_batch chooses one). seed: of the order.
+    order: the epoch's permutation as a function of (seed, epoch, G) (an ``Order``);
+    default `epoch_order`.
     ConfigError for values that do not fit together, naming what would.
     """
 
     def __init__(self, num_samples: int, global_batch: int, *, rank: int, world_size: int,
-                 accumulation: int = 1, seed: int = 0) -> None:
+                 accumulation: int = 1, seed: int = 0, order: Order | None = None) -> None:
         check_world_size(global_batch, world_size)
         if accumulation < 1 or global_batch % (world_size * accumulation):
             raise ConfigError(
@@ -100,6 +123,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.num_samples, self.global_batch, self.seed = num_samples, global_batch, seed
         self.rank, self.world_size, self.accumulation = rank, world_size, accumulation
         self.batch_size = global_batch // (world_size * accumulation)  # B, per micro-step
+        self.order = order
         self.epoch = self.offset = 0
 
     @property
@@ -144,7 +168,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
         # The arguments bind the position now, not at the first fetch.
         steps = micro_batches(self.num_samples, self.global_batch, rank=self.rank,
                               world_size=self.world_size, accumulation=self.accumulation,
-                              seed=self.seed, epoch=self.epoch, offset=self.offset)
+                              seed=self.seed, epoch=self.epoch, offset=self.offset,
+                              order=self.order)
         return (index.tolist() for _, micro in steps for index in micro)
 
     def __len__(self) -> int:

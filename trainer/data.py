@@ -133,10 +133,13 @@ class LoaderBatches:
         self.device, self.dtype, self.memory_format = device, dtype, memory_format
         self.items = SeededItems(dataset.train, seed)
         # batch_size B = G / (W x K) makes the loader split G into this run's K micro-steps.
+        # The order is the dataset's own where it has one (spotring.Shards: the order that
+        # reads each rank's share of the shards), spotring's permutation otherwise.
         self.loader = DataLoader(self.items, global_batch,
                                  batch_size=global_batch // (world_size * accumulation),
                                  seed=seed, rank=rank, world_size=world_size,
-                                 num_workers=workers, pin_memory=device.type == "cuda")
+                                 num_workers=workers, pin_memory=device.type == "cuda",
+                                 order=getattr(dataset.train, "epoch_order", None))
 
     @property
     def steps_per_epoch(self) -> int:

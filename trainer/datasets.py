@@ -10,6 +10,8 @@ through a spotring.DataLoader with ``data.workers`` processes:
 
     dataset=image_folder   torchvision's ImageFolder: dataset.root=DIR holding
                            train/<class>/*.jpg|png and val/<class>/... (or test/)
+    dataset=shards         WebDataset shards in a store, streamed by spotring.Shards in
+                           its own order (dataset.uri=s3://..., docs/streaming.md)
     dataset._target_=mypkg.data.build   your own; hydra.utils.instantiate calls
 
         build(**added, root=DATA_ROOT, seed=train.seed) -> (train, test)
@@ -125,6 +127,8 @@ def load(dataset_cfg: DictConfig, data_cfg: DictConfig, seed: int) -> Dataset | 
         return _from_target(dataset_cfg, data_cfg, seed)
     if dataset_cfg.name == "image_folder":
         return _image_folder(dataset_cfg)
+    if dataset_cfg.name == "shards":
+        return _shards(dataset_cfg)
     if dataset_cfg.name == "synthetic":
         return _synthetic(dataset_cfg, seed)
     name, root = dataset_cfg.name, root_of(data_cfg)
@@ -353,6 +357,43 @@ def _image_folder(cfg: DictConfig) -> MapDataset:
                         f"but {test_dir.name}/ has {test.classes}; the labels are the class "
                         "folders' sorted positions, so both need the same folders")
     return _checked("image_folder", f"dataset=image_folder in {root}", train, test, None)
+
+
+def _shards(cfg: DictConfig) -> MapDataset:
+    """spotring.Shards of dataset.uri (and dataset.test_uri), images decoded and
+    normalised by dataset.mean and dataset.std; the shape and the classes from the index.
+    Every store problem (out of reach, a shard missing) is a ConfigError here, before
+    any process group exists."""
+    from spotring.shards import ImageAndLabel, Shards
+
+    if cfg.uri is None:
+        raise ConfigError("dataset=shards needs dataset.uri=URI: the training shards' "
+                          "s3://bucket/prefix, gs://, az:// or directory (write them with "
+                          "`spotring shards write SOURCE URI`)")
+    if cfg.cache_limit_gb <= 0:
+        raise ConfigError(f"dataset.cache_limit_gb={cfg.cache_limit_gb}: must be positive")
+
+    def shards(key: str) -> Shards:
+        return Shards(cfg[key], cache_dir=cfg.cache_dir,
+                      cache_limit=int(cfg.cache_limit_gb * 2**30), key=f"dataset.{key}")
+
+    train = shards("uri")
+    test = shards("test_uri") if cfg.test_uri else train
+    if cfg.test_uri is None:
+        log.warning("no dataset.test_uri: evaluating on the training shards %s", cfg.uri)
+    channels = (train.index.shape or [0])[0]
+    if train.index.classes is None or not channels:
+        raise DataError(f"dataset.uri={cfg.uri}: the trainer needs images (.png, .jpg) and "
+                        f"labels (.cls) in every sample; its index says "
+                        f"{'no labels' if train.index.classes is None else 'no images'}")
+    for key in ("mean", "std"):
+        if cfg[key] is not None and len(cfg[key]) != channels:
+            raise ConfigError(f"dataset.{key}={list(cfg[key])}: the shards' images have "
+                              f"{channels} channels; give one value per channel")
+    train.decode = test.decode = ImageAndLabel(cfg.mean or [0.5] * channels,
+                                               cfg.std or [0.25] * channels)
+    return _checked("shards", f"dataset=shards at {cfg.uri}", train, test,
+                    train.index.classes)
 
 
 def _checked(name: str, what: str, train: Any, test: Any,

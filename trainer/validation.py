@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from spotring.exits import ConfigError
 from spotring.options import one_of, positive
+from spotring.stores import uri_problem
 from spotring.trainer.config import DatasetName, ModelName
 
 
@@ -73,6 +74,16 @@ def validate(cfg: DictConfig) -> None:
     if dataset == "image_folder":
         positive_values["dataset.size"] = cfg.dataset.size
         problems += image_folder_problems(cfg.dataset)
+    if dataset == "shards":
+        positive_values["dataset.cache_limit_gb"] = cfg.dataset.cache_limit_gb
+        need(cfg.dataset.uri is not None,
+             "dataset.uri: required with dataset=shards: the shards' store and prefix "
+             "(s3://bucket/prefix, gs://..., az://..., or a directory)")
+        for key in ("uri", "test_uri"):
+            where = cfg.dataset[key]
+            if where is not None and (problem := uri_problem(where, f"dataset.{key}",
+                                                              paths=True)):
+                problems.append(problem)
     problems += positive(**positive_values)
 
     for key, value in {

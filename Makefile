@@ -18,6 +18,7 @@ TEST_JOBS ?= 2
 QUICK  ?=
 RUN    ?=
 BENCH_ARGS ?=
+AZURITE := tests/azurite/node_modules/.bin/azurite-blob
 
 # horovodrun and mpirun start `python` and `orted` by name: find the venv's first.
 export PATH := $(BIN):$(PATH)
@@ -41,14 +42,24 @@ help:
 	@echo "make down [RUN_ID=id]  delete what a launch left (default: the newest run)"
 	@echo "make system-deps   Debian packages the local cluster, SLURM and their tests need (as root)"
 	@echo "make gpu-bundle    gpu-bundle/: the wheels a GPU machine lacks (needs the package index)"
-	@echo "make gpu-check [GPU_OUT=runs/gpu-check] [GPU_ARGS='--tiny']  every GPU check in one go"
+	@echo "make gpu-check [GPU_OUT=runs/gpu-check] [GPU_ARGS='--tiny']  the gpu tests and figures in one go"
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed $(AZURITE)
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade -c constraints.txt -e '.[mpi,horovod,bench,sweep,test]'
 	touch $@
+
+# Azurite, Microsoft's Azure Storage emulator, for the store tests (tests/stores.py): from
+# npm, at the versions tests/azurite/package-lock.json pins, into tests/azurite/node_modules.
+# Without npm, a note, and the Azure tests skip.
+$(AZURITE): tests/azurite/package.json tests/azurite/package-lock.json
+	@if command -v npm > /dev/null; then \
+	    npm ci --prefix tests/azurite --no-audit --no-fund --loglevel=error && touch $@; \
+	else \
+	    echo "azurite: npm is missing: the Azure Blob store tests will skip"; \
+	fi
 
 horovod: install
 	launch/node/build-horovod $(VENV)
@@ -56,8 +67,9 @@ horovod: install
 test: install horovod system-deps
 	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
+# The inner loop: the tests in this process (library, config, bad input), no Horovod build.
 test-fast: install system-deps
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check .
@@ -127,7 +139,7 @@ KIT_PYTHON := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 .PHONY: gpu-bundle gpu-check
 
 gpu-bundle: install
-	$(BIN)/python -m spotring.benchmarks.gpu_bundle $(GPU_BUNDLE)
+	$(BIN)/python tools/gpu_bundle.py $(GPU_BUNDLE)
 
 gpu-check:
 	PYTHON=$(KIT_PYTHON) tools/gpu-check $(GPU_OUT) \

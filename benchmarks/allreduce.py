@@ -1,20 +1,10 @@
-"""Allreduce bandwidth against message size, per transport, nccl-tests style.
+"""Allreduce bandwidth against message size, per transport, as nccl-tests defines it: for S
+bytes in t seconds on n ranks, algbw = S / t and busbw = algbw x 2(n-1)/n, GB/s of 10^9
+bytes (docs/benchmarks.md, "Allreduce").
 
-Definitions (nccl-tests, doc/PERFORMANCE.md): for a message of S bytes that takes t
-seconds on n ranks, algbw = S / t and busbw = algbw x 2(n-1)/n, the rate each link of a
-ring carries (a ring allreduce sends 2(n-1)/n x S bytes per rank). busbw is what can be
-compared across rank counts and with the hardware's link speed. GB/s are 10^9 bytes.
-
-Transports, each started by its launcher (benchmarks/allreduce_ranks.py does the timing):
-
-    gloo          torch.distributed Gloo: engine=ddp and the plain loop on CPUs
-    mpi           mpi4py, Open MPI's allreduce: engine=ddp engine.backend=mpi
-    horovod-gloo  Horovod over Gloo (horovodrun --gloo): engine=horovod's default
-    horovod-mpi   Horovod over MPI (mpirun, HOROVOD_CPU_OPERATIONS=MPI)
-    nccl          torch.distributed NCCL, where there are 2 GPUs or more: engine=ddp on GPUs
-
-Every transport is measured `repeats` times, transports interleaved (reversed every other
-repeat); a size's time is the median over repeats of each run's median loop.
+Each transport is started by its launcher (TRANSPORTS; each rank runs
+benchmarks/allreduce_ranks.py), `repeats` times, transports interleaved (reversed every
+other repeat); a size's time is the median over repeats of each run's median loop.
 """
 
 from __future__ import annotations
@@ -22,8 +12,7 @@ from __future__ import annotations
 import importlib.util
 import statistics
 
-from spotring.benchmarks.runs import json_line, run_together, shown
-from spotring.launch.commands import local_command
+from spotring.benchmarks.runs import json_line, launch_command, run_together, shown
 
 TRANSPORTS = {  # name: (launcher, what allreduce_ranks runs, environment)
     "gloo": ("torchrun", "gloo", {}),
@@ -61,18 +50,18 @@ def bandwidth(nbytes: int, seconds: float, ranks: int) -> dict[str, float]:
 
 
 def measure(transports: list[str], ranks: int, message_sizes: list[int], budget: float,
-            repeats: int) -> dict:
+            repeats: int, timeout: float = 1800) -> dict:
     """The allreduce section of results.json: every size of every transport."""
     seconds: dict[str, dict[int, list[float]]] = {t: {} for t in transports}
     commands: dict[str, str] = {}
     for repeat in range(repeats):
         for transport in transports if repeat % 2 == 0 else transports[::-1]:
             launcher, rank_side, env = TRANSPORTS[transport]
-            command = local_command(launcher, ranks, [
+            command = launch_command(launcher, ranks, [
                 rank_side, "--sizes", *map(str, message_sizes), "--budget", str(budget)],
-                module = "spotring.benchmarks.allreduce_ranks")
+                module="spotring.benchmarks.allreduce_ranks")
             commands[transport] = shown(command, env)
-            (stdout,) = run_together([command], env)
+            (stdout,) = run_together([command], env, timeout)
             ranks_said = json_line(stdout, "transport")
             result = ranks_said["results"]
             for row in result:

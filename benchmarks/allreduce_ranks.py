@@ -1,12 +1,7 @@
 """What every rank of the allreduce benchmark runs: time one transport's allreduce.
 
-Started by benchmarks/allreduce.py, one launcher per transport:
-
     torchrun --standalone --nproc-per-node 2 -m spotring.benchmarks.allreduce_ranks gloo
-    torchrun --standalone --nproc-per-node 2 -m spotring.benchmarks.allreduce_ranks nccl   (GPUs)
-    mpirun -np 2 python -m spotring.benchmarks.allreduce_ranks mpi                          (mpi4py)
-    horovodrun --gloo -np 2 -H localhost:2 python -m spotring.benchmarks.allreduce_ranks horovod
-    HOROVOD_CPU_OPERATIONS=MPI mpirun -np 2 python -m spotring.benchmarks.allreduce_ranks horovod
+    mpirun -np 2 python -m spotring.benchmarks.allreduce_ranks mpi     (benchmarks/allreduce.py)
 
 Timing, as nccl-tests does it: a float32 sum of ``bytes`` in place; warm-up calls; then
 timed loops whose length all ranks agree on; a loop's time per call is the slowest rank's

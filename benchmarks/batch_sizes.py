@@ -1,10 +1,9 @@
 """img/s per batch size per model: the batch-size table of the Chameleon Cloud talk.
 
 One worker with every core of the host (a node, as the talk's 1-GPU column), synthetic
-data of each model's input shape, the trainer itself: each group of models of one shape
-is one Hydra sweep (benchmarks/trainer_sweep.py) over models x batch sizes. img/s is the
-mean over the measured intervals after the warm-up, with its 95% confidence interval, as
-in benchmarks/throughput.py; with repeats, sweeps are repeated and intervals pooled.
+data of each model's input shape, the trainer itself: one run per model and batch size
+(benchmarks/runs.py's measure), warm-up left out, the repeats' intervals pooled into the
+mean and its 95% confidence interval, the runs of a repeat interleaved as throughput's.
 """
 
 from __future__ import annotations
@@ -12,23 +11,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from spotring.benchmarks.runs import Timing, intervals_of, run_together, shown, synthetic
-from spotring.benchmarks.stats import mean_ci
-from spotring.launch.commands import local_command
+from spotring.benchmarks import runs
+from spotring.benchmarks.runs import Setup, Timing, synthetic
+from spotring.benchmarks.stats import interleaved, mean_ci
 
 
 @dataclass(frozen=True)
 class Group:
-    """Models of one input shape, swept together; the timing suits their step times."""
+    """Models of one input shape; the timing suits their step times."""
 
     shape: tuple[int, int, int]
     models: tuple[str, ...]
     timing: Timing
     extra: tuple[str, ...] = ()  # e.g. model.arch=resnet50
     train_size: int = 8192
-    batches: tuple[int, ...] | None = None  # None: the sweep's batch sizes
+    batches: tuple[int, ...] | None = None  # None: the run's batch sizes
 
 
 GROUPS = [
@@ -42,43 +39,30 @@ QUICK_BATCHES = [32, 64, 128]
 FULL_BATCHES = [16, 32, 64, 128, 256]
 
 
-def label(overrides: dict[str, str]) -> str:
-    model = overrides["model"]
-    return overrides.get("model.arch", model) if model == "torchvision" else model
-
-
-def _sweep(group: Group, batches: list[int], threads: int, sweep_dir: Path) -> str:
-    workload = synthetic(",".join(group.models), group.shape, *group.extra,
-                         train_size=group.train_size)
-    t = group.timing
-    args = ["-m", *workload.overrides, f"train.batch_size={','.join(map(str, batches))}",
-            f"train.threads={threads}", f"train.max_steps={t.steps}",
-            f"telemetry.log_every={t.log_every}", "telemetry.progress=false",
-            f"hydra.sweep.dir={sweep_dir}"]
-    command = local_command("single", 1, args, module = "spotring.benchmarks.trainer_sweep")
-    run_together([command], timeout=3600)
-    return shown(command)
+def label(model: str, extra: tuple[str, ...]) -> str:
+    """The table's name of a model: a torchvision model's architecture."""
+    arch = [o.split("=", 1)[1] for o in extra if o.startswith("model.arch=")]
+    return arch[0] if model == "torchvision" and arch else model
 
 
 def measure(groups: list[Group], batches: list[int], threads: int, repeats: int,
             folder: Path) -> dict:
     """The batch_sizes section of results.json."""
+    points = [(group, model, batch) for group in groups for model in group.models
+              for batch in group.batches or batches]
     intervals: dict[tuple[str, str, int], list[float]] = {}
     commands = []
-    for repeat in range(repeats):
-        for g, group in enumerate(groups):
-            sweep_dir = folder / "runs" / f"batch-sizes-{g}-r{repeat}"
-            commands.append(_sweep(group, list(group.batches or batches), threads, sweep_dir))
-            shape = "x".join(map(str, group.shape))
-            for point in sorted(sweep_dir.glob("[0-9]*")):
-                overrides = dict(o.split("=", 1) for o in
-                                 yaml.safe_load((point / ".hydra" / "overrides.yaml").read_text()))
-                key = (label(overrides), shape, int(overrides["train.batch_size"]))
-                intervals.setdefault(key, []).extend(
-                    rate for step, rate in intervals_of("trainer", point, "")
-                    if step > group.timing.warmup_steps)
-            print(f"[{repeat + 1}/{repeats}] batch sizes of {', '.join(group.models)}: done",
-                  flush=True)
+    for repeat, (group, model, batch) in interleaved(points, repeats):
+        name, shape = label(model, group.extra), "x".join(map(str, group.shape))
+        run = runs.measure(Setup("ddp", 1, batch, threads),
+                           synthetic(model, group.shape, *group.extra,
+                                     train_size=group.train_size),
+                           group.timing, folder / "runs" / f"batch-sizes-{name}-b{batch}-r{repeat}")
+        intervals.setdefault((name, shape, batch), []).extend(run.per_worker)
+        commands.append(run.command)
+        stats = mean_ci(run.per_worker)
+        print(f"[{len(commands)}/{repeats * len(points)}] batch sizes {name}, batch {batch}: "
+              f"{stats['mean']:.0f} ± {stats['ci95']:.0f} img/s", flush=True)
     rows = [{"model": model, "shape": shape, "batch": batch,
              "images_per_second": mean_ci(values), "intervals": values}
             for (model, shape, batch), values in intervals.items()]

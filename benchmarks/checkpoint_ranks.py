@@ -1,31 +1,24 @@
 """What every rank of benchmarks/checkpoint_scaling.py runs: a user's script (spotring.init,
 job.wrap, job.track, job.restore, should_stop / save_and_exit) training a stack of
 nn.Linear blocks with AdamW whose state (weights and AdamW's two moments, float32) is
-about --gb gigabytes, and what its checkpoints cost this rank.
+about --gb gigabytes, on --device (auto: the local rank's GPU where there is one).
 
-    torchrun --standalone --nproc-per-node 2 -m spotring.benchmarks.checkpoint_ranks \\
+    torchrun --standalone --nproc-per-node 2 -m spotring.benchmarks.checkpoint_ranks \
         --gb 1 --run-dir DIR [--rank0] [--uri s3://bucket/prefix]         # notice mode
-    torchrun ... -m spotring.benchmarks.checkpoint_ranks --gb 1 --run-dir DIR \\
+    torchrun ... -m spotring.benchmarks.checkpoint_ranks --gb 1 --run-dir DIR \
         --steps 17 --save-every 5                                         # periodic mode
 
---device (auto: the local rank's GPU where there is one) is where the model trains: on a
-GPU a background save copies its share to pinned memory (tools/gpu-check's checkpoint row).
+Notice mode trains until the benchmark sends every rank SIGTERM. Each rank writes its pid
+to DIR/ranks/pid-RANK, and rank 0 the steps done to DIR/ranks/steps after every step.
+When should_stop() is true, each rank reads VmRSS, resets the peak (VmHWM), calls
+job.save_and_exit(), and on its SystemExit writes DIR/ranks/memory-RANK.json (VmRSS before,
+VmHWM during the save, the time the ranks agreed to stop), then exits 75 as
+save_and_exit does. --rank0: CheckpointOptions(sharded=False).
 
-Notice mode trains until a notice (the benchmark sends every rank SIGTERM): each rank
-writes its pid to DIR/ranks/pid-RANK at the start, and rank 0 the number of steps done to
-DIR/ranks/steps after every step. When should_stop() is true, each rank reads VmRSS from
-/proc/self/status, resets the peak (VmHWM, by writing 5 to /proc/self/clear_refs), calls
-job.save_and_exit(), and on its SystemExit writes DIR/ranks/memory-RANK.json: VmRSS before,
-VmHWM during the save, the time the ranks agreed to stop, then exits as save_and_exit
-does (75, and rank 0's preempted.json in DIR). --rank0: CheckpointOptions(sharded=False),
-rank 0 gathers the state and writes it alone.
-
-Periodic mode trains --steps steps and saves every --save-every steps, the saves taking
-turns: the first job.save() in the background (the default), the second
-job.save(background=False), and so on, so that both kinds meet the same machine; rank 0
-writes DIR/ranks/steps.json: each step's seconds (forward, backward, optimizer step,
-should_stop and the save where there is one), its save's kind, and whether a background
-save was still writing at its end.
+Periodic mode trains --steps steps and saves every --save-every steps, in the background
+and blocking by turns, so that both kinds meet the same machine; rank 0 writes
+DIR/ranks/steps.json: each step's seconds (the save's too), its save's kind, and whether a
+background save was still writing at its end.
 """
 
 from __future__ import annotations
@@ -47,7 +40,7 @@ from spotring.stores import write_atomic
 WIDTH = 1024  # of every block: a 4 MiB weight, the largest tensor of the state
 BATCH = 2  # rows per rank and step: the step's time is AdamW's and the allreduce's
 SAFETY_STEPS = 100_000  # notice mode: a run the notice never reached ends here, failed
-# The thread a background save writes in (spotring/state.py names it so).
+# The thread a background save writes in (spotring/checkpointer.py names it so).
 _SAVING_THREAD = "spotring-checkpoint-"
 
 

@@ -1,19 +1,11 @@
 """Bytes per worker under engine=fsdp against engine=ddp: a GPT-2-small-size model's
-parameters, gradients and AdamW state, on 2 and 4 CPU workers.
+parameters, gradients and AdamW state, on 2 and 4 CPU workers (docs/benchmarks.md).
 
-    python -m spotring.benchmarks.fsdp_memory
-    python -m spotring.benchmarks.fsdp_memory --workers 2 --name try
+    python -m spotring.benchmarks.fsdp_memory [--workers 2 4] [--name try]
 
-Each run is benchmarks/fsdp_ranks.py under torchrun over Gloo: GPT-2 small's shape (124M
-parameters, float32, the output layer tied to the token embedding), AdamW, one step of
-one sequence of 64 tokens per worker (AdamW's state exists after its first step), the
-runs one after another. The bytes are counted in each worker's own tensors, not sampled:
-FSDP keeps 1/W of every parameter (split along its first dimension, so a dimension W
-does not divide leaves some workers a row more), of its gradient and of its AdamW state;
-DDP keeps all of each on every worker. The peak resident set is the process's (torch,
-Python and the activations too, and the whole model each worker builds before wrap
-shards it), for scale. Results: benchmarks/results/fsdp_memory/
-(--name): results.json (every worker's figures and the commands) and report.md.
+Each run is benchmarks/fsdp_ranks.py under torchrun, one step, the runs one after another;
+the bytes are counted in each worker's own tensors. Results: benchmarks/results/fsdp_memory/
+(--name): results.json and report.md.
 """
 
 from __future__ import annotations
@@ -24,9 +16,8 @@ from pathlib import Path
 
 from spotring.benchmarks import record
 from spotring.benchmarks.report import header, table
-from spotring.benchmarks.runs import json_line, run_together, shown
+from spotring.benchmarks.runs import json_line, launch_command, run_together, shown
 from spotring.benchmarks.suite import counts
-from spotring.launch.commands import local_command
 
 ENGINES = ("ddp", "fsdp")
 FIGURES = ("parameter_bytes", "gradient_bytes", "optimizer_bytes")
@@ -44,17 +35,24 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def fsdp_run(engine: str, workers: int, args: list[str], run_dir: Path,
+             timeout: float = 1800) -> dict:
+    """benchmarks/fsdp_ranks.py on ``workers`` ranks under torchrun with ``engine`` and its
+    other options ``args``: what rank 0 printed, and the command."""
+    command = launch_command("torchrun", workers, [
+        "--engine", engine, *args, "--run-dir", str(run_dir)],
+        module="spotring.benchmarks.fsdp_ranks")
+    (stdout,) = run_together([command], timeout=timeout)
+    return {**json_line(stdout, "fsdp_ranks")["fsdp_ranks"], "command": shown(command)}
+
+
 def measure(args: argparse.Namespace, folder: Path) -> dict:
     runs = []
     for workers in args.workers:
         for engine in ENGINES:
-            command = local_command("torchrun", workers, [
-                "--engine", engine, "--size", args.size, "--seq", str(args.seq),
-                "--run-dir", str(folder / "runs" / f"{engine}-w{workers}")],
-                module="spotring.benchmarks.fsdp_ranks")
-            (stdout,) = run_together([command])
-            run = json_line(stdout, "fsdp_ranks")["fsdp_ranks"]
-            runs.append({**run, "command": shown(command)})
+            run = fsdp_run(engine, workers, ["--size", args.size, "--seq", str(args.seq)],
+                           folder / "runs" / f"{engine}-w{workers}")
+            runs.append(run)
             most = max(sum(r[f] for f in FIGURES) for r in run["ranks"])
             print(f"{engine}, {workers} workers: {most / 2**20:.1f} MiB per worker "
                   f"(parameters, gradients, AdamW state)", flush=True)

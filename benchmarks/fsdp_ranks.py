@@ -1,20 +1,16 @@
-"""What every rank of the FSDP benchmarks runs: a GPT-2-like language model trained with
-AdamW through spotring's API under engine=ddp or engine=fsdp, its bytes and speed.
-
-Started under torchrun by benchmarks/fsdp_memory.py (bytes per worker, 2 and 4 CPU
-workers) and by tools/gpu-check's fsdp row (benchmarks/gpu_speed.py: one GPU):
+"""What every rank of the FSDP benchmarks runs (fsdp_memory.py, the GPU kit's fsdp figure
+and test): a GPT-2-like language model trained with AdamW through spotring's API under
+engine=ddp or engine=fsdp, its bytes and speed.
 
     torchrun --standalone --nproc-per-node 2 -m spotring.benchmarks.fsdp_ranks --engine fsdp
 
-Each rank builds the model in float32 (--size gpt2: GPT-2 small's shape, 124M parameters
-with the output layer tied to the token embedding; tiny: the same code at toy size for
-tests), wraps it and AdamW with job.wrap (engine=fsdp: blocks "auto", the 12 transformer
-blocks), and trains --warmup untimed then --steps timed steps on random tokens, the
-forward pass under job.autocast(). After the last backward it counts, in its own memory,
-the bytes of the parameters, the gradients and AdamW's state (a DTensor's local shard:
-``to_local()``), and its peak memory: torch.cuda.max_memory_allocated on a GPU, the
-process's peak resident set on a CPU (which also holds torch and Python). Rank 0 prints
-one JSON line, {"fsdp_ranks": {...the run, "ranks": [each rank's figures]}}.
+--size gpt2 is GPT-2 small's shape (124M parameters, the output layer tied to the token
+embedding), tiny the same code at toy size. --warmup untimed steps, then --steps timed,
+on random tokens under job.autocast(). After the last backward each rank counts in its
+own memory the bytes of the parameters, gradients and AdamW state (a DTensor's local
+shard), and its peak memory (torch.cuda.max_memory_allocated on a GPU, the process's peak
+resident set on a CPU). Rank 0 prints one JSON line, {"fsdp_ranks": {..., "ranks": [each
+rank's figures]}}.
 """
 
 from __future__ import annotations

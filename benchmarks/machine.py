@@ -68,6 +68,21 @@ def commit() -> str:
     return head + (" (with uncommitted changes)" if dirty else "")
 
 
+def gpu() -> dict | None:
+    """The first GPU torch sees, how many there are, and what a GPU figure is read against
+    (driver, CUDA, cuDNN); None without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    driver = _output("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
+    return {"name": props.name, "count": torch.cuda.device_count(),
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "capability": f"{props.major}.{props.minor}", "driver": driver.split("\n")[0] or None,
+            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
+
+
 def describe() -> dict:
     import torch
 
@@ -77,6 +92,7 @@ def describe() -> dict:
         "cores": os.cpu_count(),
         "memory_gib": _memory_gib(),
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "gpu": gpu(),
         "os": platform.platform(),
         "python": sys.version.split()[0],
         "packages": {p: _version(p) for p in PACKAGES},

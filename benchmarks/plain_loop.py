@@ -1,16 +1,13 @@
 """A plain PyTorch MNIST loop: the baseline the trainer's throughput is measured against.
 
 The trainer's throughput job (model=convnet in float32, benchmarks.runs.MNIST) with
-nothing around it: the same network, per-worker batch,
-MNIST read by the trainer's own reader into memory, SGD with Nesterov momentum, weight
-decay and label smoothing, but no config system, LR schedule, checkpoints, telemetry,
-spot-notice vote or world-size-invariant order. Under torchrun it is DDP on Gloo with the
-usual sharding (rank r takes every W-th sample of each global batch).
+nothing around it: the same network, per-worker batch, data (the trainer's reader, in
+memory) and SGD, but no config, LR schedule, checkpoints, telemetry or vote. Under
+torchrun it is DDP on Gloo, rank r taking every W-th sample of each global batch.
 
-    python -m spotring.benchmarks.plain_loop --threads 2 --batch-size 128
     torchrun --standalone --nproc-per-node 2 -m spotring.benchmarks.plain_loop --batch-size 64
 
-Rank 0 prints one JSON line: img/s of every --log-every steps, timed like the trainer's
+Rank 0 prints one JSON line: img/s of every --log-every steps, timed as the trainer's
 (training steps only), and over all steps.
 """
 

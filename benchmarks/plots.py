@@ -1,14 +1,7 @@
-"""The report's figures, one function per PNG, each drawn from a results.json section.
-
-    throughput.png   total img/s against workers, per engine, with the ideal line
-    efficiency.png   scaling efficiency per configuration
-    allreduce.png    bus bandwidth against message size, per transport
-    batch_sizes.png  img/s against batch size, per model
-    prediction.png   the predictor against the published figures
-    time_to_accuracy.png  test accuracy against training seconds, per configuration and seed
-
-Error bars are the 95% confidence intervals of the tables. Drawn with spotring.plotting
-(the headless backend, each PNG written whole).
+"""The report's figures, one function per PNG (throughput, efficiency, allreduce,
+batch_sizes, prediction, time_to_accuracy), each drawn from a results.json section with
+the tables' 95% intervals as error bars, through spotring.plotting (headless, each PNG
+written whole).
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
 """How many nodes? img/s, efficiency, time to train and cost for 1 to 256 nodes.
 
     spotring predict --preset horovod-resnet101 --deadline-hours 12 --price 3.06
-    spotring predict --img-s 194.86 --batch 128 --gradient-mb 102.2 --link-gbit 10 \
-        --latency-us 50 --samples 1281167 --epochs 90 --price 0.9
+    spotring predict --img-s 194.86 --batch 128 --gradient-mb 102.2 --link-gbit 10
     spotring predict --results reference --link-gbit 25     # r1 measured by `spotring bench`
     spotring predict --validate                              # against the published tables
 
-The model (docs/benchmarks.md). Each of the N = nodes x gpus_per_node workers computes its
-batch b in t_c = b / r1 (r1: img/s of one worker alone), the backward pass being the last
-2/3 of it. Its G gradient bytes travel in k = ceil(G / bucket) ring allreduces, which
-together take T = 2(N-1) k alpha + 2(N-1)/N G / beta (alpha: latency per message, beta:
-bytes/s of the ring's slowest link; between nodes the network's, within one node the
-node's own). Bucket i leaves as soon as backward has made it and the link is free, so a
-step exposes t_x = max(T/k, T - t_b (k-1)/k) of it beyond the compute (one bucket: all
-of T). A step takes t_c + t_x; img/s = N b / (t_c + t_x); efficiency = t_c / (t_c + t_x).
-Time to train = samples x epochs / img/s; cost = nodes x hours x price per node-hour; the
-cost-optimal node count for a deadline is the cheapest that finishes in time. The batch
-per worker is fixed (weak scaling, as Horovod's benchmarks): the global batch grows with N.
+The model, docs/benchmarks.md "The predictor": N workers of batch b compute in t_c = b / r1
+(backward the last 2/3); G gradient bytes in k = ceil(G / bucket) ring allreduces take
+T = 2(N-1) k alpha + 2(N-1)/N G / beta; all but the last bucket overlap backward, so a step
+exposes t_x = max(T/k, T - t_b (k-1)/k) and takes t_c + t_x. The batch per worker is fixed
+(weak scaling); the cost-optimal node count is the cheapest that meets the deadline.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """The processes a benchmark starts, and taking them down whole (Linux).
 
 A measured command is a launcher with its ranks (torchrun and its workers) or a single
-process. Each starts in a session of its own, so that Ctrl-C at the benchmark's terminal
-does not reach it half-way, and is taken down with every process under it, found by
-their parents in /proc: torchrun starts each worker in a session of its own too, so that
-killing the launcher's process group would leave the workers running.
-
-    start(command, **popen)   subprocess.Popen in a new session; refused (Stopped) once
-                              stop_all has run
-    kill(proc)                proc and every process under it, at once; returns once they
-                              have died
-    stop_all(reason)          from now on nothing starts, and every process under this
-                              one is killed: what a benchmark does when it is stopped
-    kill_all()                every process under this one, killed
-    become_subreaper()        the orphans of processes under this one (a launcher that
-                              died before its workers) stay under it, where kill_all
-                              finds them, rather than going to init
-
-stop_all's latch is the process's: a benchmark that is stopped stays stopped.
+process. Each starts in a session of its own (start), so that Ctrl-C at the benchmark's
+terminal does not reach it half-way, and is taken down with every process under it
+(kill), found by their parents in /proc: torchrun starts each worker in a session of its
+own too, so that killing the launcher's process group would leave the workers running.
+A benchmark that is stopped (stop_all) starts nothing more and kills all under it; the
+latch is the process's, and stays.
 """
 
 from __future__ import annotations

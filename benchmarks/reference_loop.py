@@ -1,35 +1,15 @@
-"""A fixed reference MNIST recipe: the yardstick of the time-to-accuracy benchmark.
+"""A fixed reference MNIST recipe, the yardstick of the time-to-accuracy benchmark: written
+once and never tuned, so that the trainer's time over this loop's, measured side by side,
+means the same whatever the trainer's default becomes (docs/benchmarks.md gives the
+recipe; the constants below are it).
 
-Written once and never tuned afterwards, so that "the trainer's default recipe's time to
-99% / this loop's time to 99%" measured on the same machine in the same run means
-something whatever the trainer's default becomes. Exactly:
+    python -m spotring.benchmarks.reference_loop [--seed 3] [--eval-every 32] [--max-steps 5]
 
-    one process, --threads torch threads (default 2), no DDP
-    network       plain_loop.network(): conv5x5-32 + ReLU + 2x2 max-pool, conv5x5-64 + ReLU
-                  + 2x2 max-pool, FC 128 + ReLU, FC 10
-    data          MNIST as normalized float tensors in memory (plain_loop.mnist())
-    order         one epoch, one random permutation seeded by --seed (so is the model's
-                  initialization); the last 60000 mod 128 samples are dropped: 468 steps
-    batch         128
-    optimizer     SGD, Nesterov momentum 0.9 (held: cycle_momentum=False), weight decay 5e-4
-    LR            torch's OneCycleLR over the epoch: peak 0.1, 25% warm-up (pct_start),
-                  its other defaults (cosine, from 0.1/25 up, down to 0.1/25/1e4)
-    loss          cross-entropy with label smoothing 0.1
-    evaluation    the full test set (10000 images) every --eval-every steps (0: only at
-                  the end) and at the end; outside the training clock
-
-The training clock (time.perf_counter around each step: batch gather, forward, backward,
-optimizer and LR step) stops while evaluating, as the trainer's Stopwatch does, so the
-curve reads like the trainer's kind=test records.
-
-    python -m spotring.benchmarks.reference_loop                        # evaluated at the end only
-    python -m spotring.benchmarks.reference_loop --seed 3 --eval-every 32
-    python -m spotring.benchmarks.reference_loop --max-steps 5 --eval-every 2   # a smoke test
-
-It prints one JSON line: train_seconds, test_accuracy (at the end), curve ([step,
-train_seconds, accuracy] of every evaluation), evaluation_seconds, seed, steps, eval_every,
-threads, batch. `spotring bench --only time_to_accuracy` runs it beside the trainer
-(benchmarks/time_to_accuracy.py).
+One process, plain_loop's network and MNIST in memory, one epoch of one permutation
+seeded by --seed (the last 60000 mod 128 samples dropped). The clock stops while it
+evaluates on the whole test set, as the trainer's does. It prints one JSON line:
+train_seconds, test_accuracy, curve ([step, train_seconds, accuracy] of every
+evaluation), evaluation_seconds, seed, steps, eval_every, threads, batch.
 """
 
 from __future__ import annotations

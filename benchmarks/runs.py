@@ -1,20 +1,11 @@
 """Start one measured training run the way users do, and read back its img/s per interval.
 
 A run is a Setup (engine, workers, batch per worker, threads per worker) of a Workload
-(dataset and model):
-
-    engine         N workers
-    ddp            torchrun --nproc-per-node N -m spotring.trainer engine=ddp
-    ddp-mpi        mpirun -np N python -m spotring.trainer engine=ddp engine.backend=mpi
-    horovod-gloo   horovodrun --gloo -np N -H localhost:N python -m spotring.trainer engine=horovod
-    horovod-mpi    mpirun -np N python -m spotring.trainer engine=horovod engine.backend=mpi
-    plain          torchrun --nproc-per-node N -m spotring.benchmarks.plain_loop
-
-and one worker as `python -m spotring.trainer` or `python -m
-spotring.benchmarks.plain_loop`, whatever the engine: a single worker has nothing to
-average. Each run writes into its own folder
-(the trainer's metrics.jsonl, summary.json, log; the plain loop's stdout.json); its
-checkpoints and TensorBoard files are deleted once read: they are not measurements.
+(dataset and model). N workers start under the engine's launcher (ENGINES; the table of
+docs/benchmarks.md), one worker as `python -m spotring.trainer` or the plain loop alone,
+whatever the engine: it has nothing to average. Each run writes into its own folder (the
+trainer's metrics.jsonl, summary.json, log; the plain loop's stdout.json); its checkpoints
+and TensorBoard files are deleted once read: they are not measurements.
 """
 
 from __future__ import annotations
@@ -24,6 +15,7 @@ import json
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -91,8 +83,8 @@ MNIST = Workload("mnist convnet", ("model=convnet", "train.precision=fp32",
 
 def synthetic(model: str, shape: tuple[int, int, int], *model_args: str,
               train_size: int = 8192) -> Workload:
-    """Random images of ``shape`` for ``model`` (a conf/model option, or a Hydra sweep of
-    them: "convnet,lenet"); a small test set, since evaluation is not what is measured."""
+    """Random images of ``shape`` for ``model`` (a conf/model option); a small test set,
+    since evaluation is not what is measured."""
     overrides = ("dataset=synthetic", f"dataset.shape=[{','.join(map(str, shape))}]",
                  f"dataset.train_size={train_size}", "dataset.test_size=64", f"model={model}",
                  *model_args)
@@ -141,6 +133,17 @@ class Run:
                 "dir": self.dir}
 
 
+def launch_command(launcher: str, nproc: int, args: list[str],
+                   module: str = "spotring.trainer") -> list[str]:
+    """launch.commands' local_command, torchrun as `python -m torch.distributed.run` where
+    this Python's folder has no torchrun script (a system Python's torch, as on a GPU
+    machine that has the bundle of `make gpu-bundle`)."""
+    command = local_command(launcher, nproc, args, module)
+    if launcher == "torchrun" and not Path(command[0]).exists():
+        command[:1] = [sys.executable, "-m", "torch.distributed.run"]
+    return command
+
+
 def shown(command: list[str], env: dict[str, str] | None = None) -> str:
     """The command as a user would type it in the checkout: paths made relative."""
     def short(arg: str) -> str:
@@ -152,11 +155,11 @@ def _command(setup: Setup, workload: Workload, timing: Timing, run_dir: Path) ->
     engine = ENGINES[setup.engine]
     launcher = engine.launcher if setup.workers > 1 else "single"
     if engine.program == "plain":
-        return local_command(launcher, setup.workers, [
+        return launch_command(launcher, setup.workers, [
             "--batch-size", str(setup.batch), "--threads", str(setup.threads),
             "--steps", str(timing.steps), "--log-every", str(timing.log_every)],
-            module = "spotring.benchmarks.plain_loop")
-    return local_command(launcher, setup.workers, [
+            module="spotring.benchmarks.plain_loop")
+    return launch_command(launcher, setup.workers, [
         f"hydra.run.dir={run_dir}", "telemetry.progress=false",
         f"telemetry.log_every={timing.log_every}", f"train.max_steps={timing.steps}",
         f"train.batch_size={setup.batch}", f"train.threads={setup.threads}",
@@ -232,17 +235,27 @@ def steps_logged(run_dir: Path) -> int:
     return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
 
 
-def until_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float) -> None:
-    """Wait until the trainer run ``proc`` (into ``run_dir``) has logged ``step``; raises
-    RuntimeError where it ended first or took more than ``timeout`` seconds."""
+def wait_for(done, proc: subprocess.Popen, what: str, timeout: float) -> None:
+    """Wait until ``done()``, the event ``what`` of the process ``proc``; raises
+    RuntimeError where ``proc`` ended first or ``timeout`` seconds passed."""
     deadline = time.monotonic() + timeout
-    while steps_logged(run_dir) < step:
+    while not done():
         if proc.poll() is not None or time.monotonic() > deadline:
             how = (f"ended first (exit {proc.returncode})" if proc.poll() is not None
-                   else f"did not get there within {timeout:g} s")
-            raise RuntimeError(f"the run in {run_dir}, to be stopped at step {step}, {how}: "
-                               f"{shown(proc.args)}")
+                   else f"not within {timeout:g} s")
+            raise RuntimeError(f"{what}: {how}: {shown(proc.args)}")
         time.sleep(0.01)
+
+
+def until_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float) -> None:
+    """Wait until the trainer run ``proc`` (into ``run_dir``) has logged ``step``."""
+    wait_for(lambda: steps_logged(run_dir) >= step, proc, f"the run in {run_dir} to step {step}",
+             timeout)
+
+
+def shown_dir(path: Path) -> str:
+    """A run's folder as results.json gives it: relative to the checkout where it is in it."""
+    return str(path.relative_to(REPO) if path.is_relative_to(REPO) else path)
 
 
 def drop_heavy(run_dir: Path) -> None:
@@ -259,16 +272,16 @@ def trainer_records(run_dir: Path, kind: str) -> list[dict]:
     return [r for r in map(json.loads, (run_dir / "metrics.jsonl").open()) if r["kind"] == kind]
 
 
-def measure(setup: Setup, workload: Workload, timing: Timing, run_dir: Path) -> Run:
+def measure(setup: Setup, workload: Workload, timing: Timing, run_dir: Path,
+            timeout: float = 1800) -> Run:
     """Run ``setup`` once; img/s per worker of the intervals after the warm-up."""
     run_dir.mkdir(parents=True, exist_ok=True)
     command = _command(setup, workload, timing, run_dir)
-    (out,) = run_together([command])
+    (out,) = run_together([command], timeout=timeout)
     per_worker = [rate / setup.workers for step, rate in
                   intervals_of(ENGINES[setup.engine].program, run_dir, out)
                   if step > timing.warmup_steps]
-    where = run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir
-    return Run(setup, per_worker, shown(command), str(where))
+    return Run(setup, per_worker, shown(command), shown_dir(run_dir))
 
 
 def check_workload(workload: Workload) -> dict[str, int]:

@@ -1,28 +1,14 @@
-"""Measure throughput, allreduce bandwidth and the batch-size table into one results folder.
+"""Measure throughput, allreduce bandwidth, batch sizes and time to accuracy into one folder.
 
     spotring bench --quick            # a few minutes: 1 repeat, batch 64, sizes x4 apart
-    spotring bench                    # 3 repeats, batch 32/64/128, sizes x2 apart, the
-                                      # batch-size table to 256 and ResNet-50
+    spotring bench                    # 3 repeats, batch 32/64/128, sizes x2 apart, ...
     spotring bench --workers 1 2 4 8 --model resnet20 --shape 3 32 32 --only throughput
-    spotring bench --only time_to_accuracy --quick --target 0.99
     spotring report                   # the newest run's report.md and plots
 
-(`make bench [QUICK=1]` and `python -m spotring.benchmarks.suite` run the same.) In order, into
-<results>/<time>-bench[-quick]/results.json (benchmarks/record.py):
-
-    throughput    benchmarks/throughput.py: img/s per worker and in total for each worker
-                  count x engine x batch size, speedup and efficiency against 1 worker
-                  (MNIST, or --model on synthetic data)
-    allreduce     benchmarks/allreduce.py: algbw and busbw per transport, 1 KiB to 64 MiB
-                  and the model's gradient size, on as many ranks as the most workers
-    batch_sizes   benchmarks/batch_sizes.py: img/s of one worker per model and batch size
-    time_to_accuracy  benchmarks/time_to_accuracy.py: training seconds to a test accuracy
-                  (--target, 0.99) of the trainer's default config per worker count, beside
-                  the fixed reference loop, over seeds (2 quick, 5 full)
-    prediction    benchmarks/predict.py: the published figures, and every measured
-                  multi-worker img/s predicted from the 1-worker img/s and the allreduce fit
-
-Every configuration measured prints a line. Bad input exits 2 before anything starts.
+Into <results>/<time>-bench[-quick]/results.json (record.py): one section per --only
+(throughput.py, allreduce.py, batch_sizes.py, time_to_accuracy.py), then the prediction
+(predict.py) derived from them. docs/benchmarks.md has the method. Bad input exits 2
+before anything starts.
 """
 
 from __future__ import annotations

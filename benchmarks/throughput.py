@@ -1,19 +1,9 @@
-"""Throughput of the trainer for worker counts, per-worker batch sizes and engines.
-
-Method (Horovod's pytorch_synthetic_benchmark, airbench's honesty):
-
-- every run trains `warmup_steps` unmeasured, then `intervals` intervals of `log_every`
-  steps; img/s per interval comes from the trainer's own metrics.jsonl (training steps
-  only: evaluation and checkpoints are outside its stopwatch) or the plain loop's;
-- per configuration: img/s per worker and in total as the mean over all measured
-  intervals of all repeats with its 95% confidence interval (benchmarks/stats.py);
-- the configurations are interleaved, in reverse order every other repeat, so that a
-  noisy neighbour or a drift of the machine's speed hits them all alike;
-- speedup and efficiency are against one worker of the same program (the trainer alone,
-  or the plain loop alone) with the same batch and threads per worker: N workers ideally
-  give N times the img/s.
-
-Engines: benchmarks/runs.py. The plain loop (benchmarks/plain_loop.py) trains MNIST only.
+"""Throughput of the trainer for worker counts, per-worker batch sizes and engines
+(docs/benchmarks.md, "Throughput"): each configuration started as users start it
+(benchmarks/runs.py), warm-up left out, the configurations interleaved and reversed every
+other repeat; img/s per worker and in total with 95% intervals, and speedup and
+efficiency against one worker of the same program (the trainer, or the plain loop) at the
+same batch and threads per worker.
 """
 
 from __future__ import annotations

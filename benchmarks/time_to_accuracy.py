@@ -1,40 +1,32 @@
 """Training seconds to a target test accuracy: the trainer's default recipe per worker
-count, beside the fixed reference loop (benchmarks/reference_loop.py).
+count, beside the fixed reference loop (benchmarks/reference_loop.py); the method:
+docs/benchmarks.md, "Time to accuracy".
 
-Method:
-
-- every worker count runs the trainer's default config (conf/config.yaml as it is), the
-  way users start it: `python -m spotring.trainer` for 1 worker, `torchrun --nproc-per-node N -m
-  trainer` for N; the global batch is the per-worker train.batch_size x N and the LR
-  follows from it (the linear scaling rule), as the trainer does by itself;
-- each run evaluates on the full test set every K steps (train.eval_every_steps=K, and at
-  each epoch end), K = ceil(steps of the run / evaluations): about 15 evaluations per run
-  whatever the global batch; the reference loop the same way (--eval-every);
-- a run's seconds are its training seconds (the trainer's kind=test records, whose clock
-  stops while evaluating and checkpointing; the reference loop's likewise), and its time
-  to the target is that of the first evaluation at or above the target, nothing
-  interpolated; a run none of whose evaluations reaches it has "not reached";
-- seeds 0..S-1 (train.seed, --seed); per seed the reference and every worker count run
-  one after the other, in reverse order every other seed, so that a noisy neighbour or a
-  drift of the machine's speed falls on all of them alike;
-- per configuration: the seconds of every seed, their mean over the seeds that reached
-  the target and the worst (not reached if any did not), the final accuracy's mean and
-  worst, and mean / the reference's mean; and the whole run's training seconds (mean,
-  worst, and mean / the reference's), which is what a run of the recipe costs.
+A run's time to the target is the training seconds (evaluation and checkpoints excluded)
+of its first evaluation at or above the target, nothing interpolated; the seeds run the
+configurations interleaved, reversed every other seed.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 from spotring.benchmarks import reference_loop
-from spotring.benchmarks.runs import MNIST, REPO, json_line, run_together, shown, trainer_records
+from spotring.benchmarks.runs import (
+    MNIST,
+    json_line,
+    launch_command,
+    run_together,
+    shown,
+    shown_dir,
+    trainer_records,
+)
 from spotring.benchmarks.stats import interleaved
-from spotring.launch.commands import local_command
 
 EVALUATIONS = 15  # per run, about: the curve's points
 TARGET = 0.99
@@ -94,19 +86,21 @@ def seconds_to(curve: list, target: float) -> float | None:
 
 def _run(config: Configuration, seed: int, eval_every: int, max_steps: int | None,
          run_dir: Path) -> dict:
-    """One run: its curve [(step, train seconds, accuracy)], final figures and command."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    """One run: its curve [(step, train seconds, accuracy)], final figures and command.
+    ``run_dir`` is emptied first: the trainer appends to a metrics.jsonl it finds there."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
     if config.program == "reference":
-        command = local_command("single", 1, [
+        command = launch_command("single", 1, [
             "--seed", str(seed), "--eval-every", str(eval_every),
             *([] if max_steps is None else ["--max-steps", str(max_steps)])],
-            module = "spotring.benchmarks.reference_loop")
+            module="spotring.benchmarks.reference_loop")
         (out,) = run_together([command])
         (run_dir / "stdout.json").write_text(out)
         result = json_line(out, "curve")
         result["peak_lr"] = reference_loop.PEAK_LR
     else:
-        command = local_command("torchrun" if config.workers > 1 else "single", config.workers, [
+        command = launch_command("torchrun" if config.workers > 1 else "single", config.workers, [
             f"hydra.run.dir={run_dir}", "telemetry.progress=false", f"train.seed={seed}",
             f"train.eval_every_steps={eval_every}", "train.eval_samples=null",
             *([] if max_steps is None else [f"train.max_steps={max_steps}"])])
@@ -114,12 +108,11 @@ def _run(config: Configuration, seed: int, eval_every: int, max_steps: int | Non
         result = json.loads((run_dir / "summary.json").read_text())
         result["curve"] = [(r["step"], r["train_seconds"], r["accuracy"])
                            for r in trainer_records(run_dir, "test")]
-    where = run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir
     return {"label": config.label, "program": config.program, "workers": config.workers,
             "seed": seed, "eval_every": eval_every, "steps": result["steps"],
             "peak_lr": result["peak_lr"], "curve": [list(point) for point in result["curve"]],
             "train_seconds": result["train_seconds"], "test_accuracy": result["test_accuracy"],
-            "command": shown(command), "dir": str(where)}
+            "command": shown(command), "dir": shown_dir(run_dir)}
 
 
 def summarize(plan: dict[Configuration, dict], runs: list[dict], target: float) -> list[dict]:

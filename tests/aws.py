@@ -120,8 +120,10 @@ def stand_in_ssh(directory: Path) -> Path:
     key = "AAAAC3NzaC1lZDI1NTE5AAAAIHsY2b0Wq0y0rW8Xb8b7mRkN3X6K4VYQ0k3QvN1GZm3N"
     scripts = {
         "ssh-keyscan": f'for host; do :; done\necho "$host ssh-ed25519 {key}"\n',
-        # Anything else fails, after $STAND_IN_SSH_DELAY seconds (a job that hangs).
+        # Anything else fails, after $STAND_IN_SSH_DELAY seconds (a job that hangs); it
+        # makes the file $STAND_IN_SSH_CALLED first, where given.
         "ssh": 'for command; do :; done\n[ "$command" = true ] && exit 0\n'
+               '[ -z "$STAND_IN_SSH_CALLED" ] || : > "$STAND_IN_SSH_CALLED"\n'
                'sleep "${STAND_IN_SSH_DELAY:-0}"\n'
                'echo "stand-in ssh: no machine behind this moto instance" >&2\nexit 255\n',
     }

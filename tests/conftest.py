@@ -1,23 +1,87 @@
 """Helpers to run the trainer as users do (real processes, real launchers) and read
-back what it leaves behind."""
+back what it leaves behind; and what the session's tests share across pytest-xdist's
+workers: the cores (``exclusive``: tests marked slow, which start several processes, run
+one at a time, whatever the number of workers) and the runs several test files compare
+with (``cached``: built once per session by the first worker that asks)."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 from spotring.checkpoint import Checkpoint, Checkpoints
+from spotring.checkpointer import load_whole
 from spotring.launch.commands import local_command, local_environment
 from spotring.trainer.config import compose
+
+# The object stores' emulators (moto_s3, azurite, gcs_emulator), for every test.
+pytest_plugins = ["tests.stores"]
 
 REPO = Path(__file__).resolve().parents[1]
 # Keep test runs short and their output readable.
 QUICK = ["telemetry.progress=false"]
+
+# The session's folder that every xdist worker sees, and the lock of its cores: set by
+# the session fixture below.
+_SHARED: list[Path] = []
+_CORES: list[FileLock] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_folder(tmp_path_factory) -> Path:
+    """The session's folder common to all workers (pytest's base temporary folder of the
+    session; under xdist, the parent of each worker's own)."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    folder.mkdir(exist_ok=True)
+    _SHARED[:] = [folder]
+    _CORES[:] = [FileLock(folder / "cores.lock")]
+    return folder
+
+
+def exclusive() -> FileLock:
+    """The machine's cores, for ``with exclusive():``: one holder at a time across the
+    session's workers (a file lock; it nests within a process). Jobs of several processes
+    on 2 cores run one at a time, so that none waits on another's CPU time and nothing
+    measured or awaited in them depends on what else runs."""
+    return _CORES[0]
+
+
+@pytest.fixture(autouse=True)
+def _cores_for_slow_tests(request) -> Iterator[None]:
+    """A test marked slow starts several processes: it holds the cores (exclusive)."""
+    if request.node.get_closest_marker("slow") is None:
+        yield
+        return
+    with exclusive():
+        yield
+
+
+def cached(name: str, build: Callable[[Path], object]) -> Path:
+    """The session's folder ``name``, which ``build(folder)`` fills the first time any
+    worker asks (holding the cores); the others wait for it and read it. A build that
+    fails leaves nothing, and the next one to ask tries again."""
+    folder = _SHARED[0] / name
+    if (folder / ".built").exists():
+        return folder
+    # The cores first, then the name: the order every taker of both keeps (a slow test
+    # holds the cores already), so that two workers never wait on each other.
+    with exclusive(), FileLock(_SHARED[0] / f"{name}.lock"):
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (folder / ".built").touch()
+    return folder
 
 
 @dataclass
@@ -45,14 +109,23 @@ class Run:
         assert found, f"no checkpoint in {self.dir / 'checkpoints'}"
         checkpoint = found[max(found) if step is None else step]
         checkpoint.verify()
-        return checkpoint.load()["model"]
+        return load_whole(checkpoint)["model"]
 
 
 def run_trainer(run_dir: Path, *overrides: str, launcher: str = "single", nproc: int = 1,
                 expect: int | None = 0, timeout: float = 600, env: dict | None = None) -> Run:
+    """The trainer with ``overrides`` on ``nproc`` ranks, started by ``launcher`` (one of
+    launch.commands.LAUNCHERS), or by the test itself (launcher="spawned":
+    tests/ranks.py, where no launcher is what the test is about: the trainer's ranks
+    start in milliseconds instead of importing torch and Hydra each), to its end."""
     args = [f"hydra.run.dir={run_dir}", *QUICK, *overrides]
-    proc = subprocess.run(local_command(launcher, nproc, args), cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, env=local_environment(**(env or {})))
+    with exclusive():
+        if launcher == "spawned":
+            proc = _spawned(run_dir, nproc, args, timeout, env or {})
+        else:
+            proc = subprocess.run(local_command(launcher, nproc, args), cwd=REPO,
+                                  capture_output=True, text=True, timeout=timeout,
+                                  env=local_environment(**(env or {})))
     run = Run(run_dir, proc)
     if expect is not None:
         assert proc.returncode == expect, (
@@ -60,19 +133,52 @@ def run_trainer(run_dir: Path, *overrides: str, launcher: str = "single", nproc:
     return run
 
 
-# The parity runs of test_equivalence.py and test_horovod.py: real MNIST, 20 steps, SGD
-# with Nesterov momentum and weight decay, a checkpoint after every step (so that one run
-# answers for step 1 and step 20); in float64, so that rounding cannot flip a max-pool
-# near-tie (see test_equivalence.py). Add the batch size.
+def _spawned(run_dir: Path, nproc: int, args: list[str], timeout: float,
+             env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The trainer's ranks spawned here, as a CompletedProcess: the first failing rank's
+    exit code (else 0) and every rank's output."""
+    from tests import ranks
+
+    with ranks.Ranks(run_dir, nproc, ranks.trainer, env=env, argv=args) as job:
+        codes = job.wait(timeout)
+        output = job.output()
+    return subprocess.CompletedProcess(args, next((c for c in codes if c), 0), output, "")
+
+
+def cached_trainer_run(name: str, *overrides: str, **kwargs) -> Run:
+    """run_trainer's run, made once per session (``cached``) for every test that compares
+    with it; read it, do not write into it."""
+    def build(folder: Path) -> None:
+        run = run_trainer(folder / "run", *overrides, **kwargs)
+        (folder / "output.txt").write_text(run.output)
+
+    folder = cached(name, build)
+    output = (folder / "output.txt").read_text()
+    return Run(folder / "run", subprocess.CompletedProcess([], 0, output, ""))
+
+
+# The parity runs (test_equivalence.py, test_precision.py, test_horovod.py): real MNIST,
+# 20 steps, SGD with Nesterov momentum and weight decay, a checkpoint after every step
+# (so that one run answers for every step), a train record every 5; in float64, so that
+# rounding cannot flip a max-pool near-tie (see test_equivalence.py); NCHW, so that
+# test_precision.py turns on only the option each test is about. Add the batch size.
 PARITY = ["train.max_steps=20", "train.threads=1", "train.seed=11", "checkpoint.every_steps=1",
-          "checkpoint.keep=20", "train.dtype=float64", "train.eval_samples=1000"]
+          "checkpoint.keep=20", "train.dtype=float64", "train.eval_samples=1000",
+          "telemetry.log_every=5", "train.channels_last=false"]
 
 
-@pytest.fixture(scope="session")
-def ddp_2x32(tmp_path_factory) -> Run:
-    """The reference parity run: 2 workers x batch 32, engine=ddp under torchrun."""
-    return run_trainer(tmp_path_factory.mktemp("ddp") / "run", *PARITY, "train.batch_size=32",
-                       "engine=ddp", launcher="torchrun", nproc=2)
+@pytest.fixture
+def ddp_2x32() -> Run:
+    """The parity run of 2 workers x batch 32, engine=ddp under torchrun (once a session)."""
+    return cached_trainer_run("ddp_2x32", *PARITY, "train.batch_size=32", "engine=ddp",
+                              launcher="torchrun", nproc=2)
+
+
+@pytest.fixture
+def one_worker() -> Run:
+    """The parity run of 1 worker x batch 64, which N workers with the same global batch
+    equal (once a session)."""
+    return cached_trainer_run("one_worker", *PARITY, "train.batch_size=64", launcher="spawned")
 
 
 @pytest.fixture

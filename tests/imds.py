@@ -11,7 +11,9 @@ no notice until the test announces one; ``requests`` records what was asked.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import socket
 import threading
 import time
 import uuid
@@ -41,11 +43,15 @@ class _Stub:
 
             def _handle(self) -> None:
                 code, body, headers = stub.answer(self.command, self.path, self.headers)
-                self.send_response(code)
-                for name, value in {"Content-Length": str(len(body)), **headers}.items():
-                    self.send_header(name, value)
-                self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.send_response(code)
+                    for name, value in {"Content-Length": str(len(body)),
+                                        **headers}.items():
+                        self.send_header(name, value)
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up on a request held for it (closed mid-way)
 
             do_GET = do_PUT = _handle
 
@@ -119,33 +125,92 @@ class MetadataStub(_Stub):
 class GCPStub(_Stub):
     """GCP's metadata server: instance/preempted says "FALSE", then "TRUE" once the test
     preempts the VM; a request without Metadata-Flavor: Google is refused (403), and
-    every answer carries that header."""
+    every answer carries that header and the value's ETag.
+
+    ?wait_for_change=true holds a request, as Google documents "Wait for updates", until
+    the value's ETag differs from last_etag (at once where it already does; without
+    last_etag, from the ETag when the request came), or for timeout_sec (whole seconds;
+    400 for another number). ``wait_for_change``: "held", so; "ignored", answered at once
+    as a plain request, as by a server that does not know the parameter; "refused": 400.
+    ``exchanges`` records each request's path, and when it came and was answered
+    (time.monotonic())."""
 
     cloud, variable = "GCP", "GCE_METADATA_HOST"
     PREEMPTED = "/computeMetadata/v1/instance/preempted"
 
-    def __init__(self) -> None:
+    def __init__(self, wait_for_change: str = "held") -> None:
         self.preempted = False
         self.requests: list[str] = []
+        self.exchanges: list[tuple[str, float, float]] = []
+        self.wait_for_change = wait_for_change
+        self.holding = 0  # requests held now
+        self._changed = threading.Condition()  # the value, holding and closing
+        self._closing = False
         super().__init__()
 
     @property
     def env(self) -> dict[str, str]:
         return {self.variable: self.host}  # host:port, no scheme, as Google's libraries
 
+    @property
+    def etag(self) -> str:
+        """The ETag of instance/preempted now (GCP's are 16 hex digits)."""
+        return hashlib.sha256(str(self.preempted).encode()).hexdigest()[:16]
+
     def answer(self, method, path, headers):
+        came = time.monotonic()
         self.requests.append(path)
-        flavor = {"Metadata-Flavor": "Google"}
+        url = urlsplit(path)
+        query = parse_qs(url.query)
+        code, body = 200, b""
         if headers.get("Metadata-Flavor") != "Google":
-            return 403, b"Missing Metadata-Flavor:Google header.", flavor
-        if urlsplit(path).path != self.PREEMPTED:
-            return 404, b"", flavor
-        return 200, b"TRUE" if self.preempted else b"FALSE", flavor
+            code, body = 403, b"Missing Metadata-Flavor:Google header."
+        elif url.path != self.PREEMPTED:
+            code = 404
+        elif query.get("wait_for_change") == ["true"] and self.wait_for_change != "ignored":
+            code, body = self._hold(query)
+        with self._changed:  # the value and its ETag of one moment (announce may come)
+            etag = self.etag
+            if code == 200:
+                body = b"TRUE" if self.preempted else b"FALSE"
+        self.exchanges.append((path, came, time.monotonic()))
+        return code, body, {"Metadata-Flavor": "Google", "ETag": etag}
+
+    def _hold(self, query: dict[str, list[str]]) -> tuple[int, bytes]:
+        """Hold a wait_for_change request until its answer is due: its status, and the
+        body of an error."""
+        if self.wait_for_change == "refused":
+            return 400, b"wait_for_change is not supported here"
+        timeout = query.get("timeout_sec", [None])[0]
+        if timeout is not None and not timeout.isdigit():
+            return 400, b"timeout_sec must be a whole number of seconds"
+        with self._changed:
+            last = query.get("last_etag", [self.etag])[0]
+            self.holding += 1
+            self._changed.notify_all()
+            self._changed.wait_for(lambda: self._closing or self.etag != last,
+                                   None if timeout is None else int(timeout))
+            self.holding -= 1
+        return 200, b""
+
+    def until_held(self, timeout: float = 30) -> None:
+        """Return once a request is held; AssertionError after ``timeout`` seconds."""
+        with self._changed:
+            assert self._changed.wait_for(lambda: self.holding > 0, timeout), \
+                f"no request held in {timeout} s: {self.requests}"
 
     def announce(self) -> float:
-        """Preempt the VM; returns when (time.monotonic())."""
-        self.preempted = True
+        """Preempt the VM, answering the requests held; returns when (time.monotonic())."""
+        with self._changed:
+            self.preempted = True
+            self._changed.notify_all()
         return time.monotonic()
+
+    def close(self) -> None:
+        with self._changed:  # the requests still held are answered, unchanged
+            self._closing = True
+            self._changed.notify_all()
+        super().close()
 
 
 class AzureStub(_Stub):
@@ -190,3 +255,24 @@ class AzureStub(_Stub):
     def announce(self) -> float:
         """This VM's eviction: a Preempt event; returns when (time.monotonic())."""
         return self.schedule("Preempt")
+
+
+STUBS = {"ec2": MetadataStub, "gcp": GCPStub, "azure": AzureStub}
+
+
+def closed_port() -> str:
+    """host:port where nothing listens: a connection is refused at once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return "{}:{}".format(*s.getsockname())
+
+
+def pointed_at(stub: _Stub | None = None, *, others: str | None = None) -> dict[str, str]:
+    """The variables that point every cloud's service at ``stub`` where it is that
+    cloud's, else at ``others`` (host:port; default a closed port), so that the cloud
+    spotring finds is the stub's whatever machine the tests run on (a CI runner on Azure
+    has a real Azure service at 169.254.169.254)."""
+    elsewhere = others or closed_port()
+    env = {cls.variable: elsewhere if cls is GCPStub else f"http://{elsewhere}"
+           for cls in STUBS.values()}
+    return env | (stub.env if stub is not None else {})

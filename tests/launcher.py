@@ -5,6 +5,7 @@ on this machine: namespaces, links, processes."""
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import os
 import re
@@ -16,12 +17,20 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
+from spotring.checkpoint import Checkpoints
 from spotring.launch.local import netns
 from spotring.launch.rundir import RunDir
 from tests.conftest import REPO
 from tests.imds import MetadataStub
 
 CLONE_NEWNET = 0x40000000  # setns(2): join a network namespace
+# Horovod (and its horovodrun) is built by `make horovod`, which `make test` runs and
+# `make test-fast` does not: the tests that need it skip, saying so, where it is not built.
+HOROVOD_MISSING = "Horovod is not built here: `make horovod` builds it (`make test` does)"
+needs_horovod = pytest.mark.skipif(importlib.util.find_spec("horovod") is None,
+                                   reason=HOROVOD_MISSING)
 
 
 def launcher(*args: str, env: dict | None = None, timeout: float = 120
@@ -77,6 +86,12 @@ def steps_on_node_0(run: RunDir) -> int:
     return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
 
 
+def checkpoints_on_node_0(run: RunDir) -> list[int]:
+    """The steps of the checkpoints complete on node 0 (rank 0's, by default)."""
+    folder = run.path / f"nodes/node-0/work/runs/{run.id}/checkpoints"
+    return sorted(c.step for c in Checkpoints(folder, keep=1).found()) if folder.is_dir() else []
+
+
 class Followed:
     """A launcher process whose output (stdout and stderr together) is read as it comes."""
 
@@ -123,30 +138,38 @@ def notice_node_1(followed: Followed, trained: int
     return run, names, noticed, metadata
 
 
-def launch_without_replacements(*args: str) -> subprocess.Popen:
-    """`python -m spotring.launch ARGS` on a local cluster that has room for no node
-    beyond those `up` made, as EC2 answers when the spot pool is empty (nothing real runs
-    out of room here): a replacement's creation raises NoCapacity, after the lost nodes
-    were taken down."""
+def launch_with_spares(spares: int, *args: str, python: str = sys.executable, cwd: Path = REPO,
+                       env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`spotring ARGS` (launch, on a local cluster) run by ``python`` in ``cwd``, where the
+    cluster has room for ``spares`` nodes beyond those `up` made, as EC2 answers when the
+    spot pool runs dry (nothing real runs out of room here): once they are taken, a
+    replacement's creation raises NoCapacity, after the lost nodes were taken down.
+    stdout and stderr together, for Followed."""
     program = textwrap.dedent("""\
         import sys
         from spotring.launch.__main__ import main
         from spotring.launch.local.provider import LocalCluster
         from spotring.launch.provider import NoCapacity
 
+        spares = [int(sys.argv[1])]
         made = LocalCluster.create
 
         def create(self, count):
-            def full(index):
-                raise NoCapacity(f"no room for node {index}: the pool is empty")
-            nodes = made(self, count)
-            self._add = full
+            nodes, add = made(self, count), self._add
+
+            def from_the_pool(index):
+                if not spares[0]:
+                    raise NoCapacity(f"no room for node {index}: the pool is empty")
+                spares[0] -= 1
+                return add(index)
+
+            self._add = from_the_pool
             return nodes
 
         LocalCluster.create = create
-        sys.exit(main(sys.argv[1:], prog="python -m spotring.launch"))
+        sys.exit(main(sys.argv[2:], prog="spotring"))
         """)
-    return subprocess.Popen([sys.executable, "-c", program, *args], cwd=REPO,
+    return subprocess.Popen([python, "-c", program, str(spares), *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

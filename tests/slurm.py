@@ -30,6 +30,9 @@ from spotring.polling import poll
 from tests.launcher import netns_unavailable, processes
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
+# What a job of the preemptible partition (low) gets between SIGTERM and SIGKILL when a
+# job of the higher tier takes its nodes: the time a checkpoint must be on disk within.
+GRACE_S = 30
 COMMANDS = ("srun", "sbatch", "scancel", "sinfo", "scontrol")
 
 CONF = """\
@@ -73,7 +76,7 @@ KillWait=5
 # in its way, which get SIGTERM at once and GraceTime seconds to checkpoint.
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
-PartitionName=low Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=30
+PartitionName=low Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={grace_s}
 PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """
 
@@ -160,7 +163,7 @@ class SlurmCluster:
         cpus = os.cpu_count() or 1
         self.conf.write_text(CONF.format(
             controller=socket.gethostname(), controller_addr=self.controller_addr,
-            ctld_port=free_port(), slurmd_port=free_port(), dir=self.dir,
+            ctld_port=free_port(), slurmd_port=free_port(), dir=self.dir, grace_s=GRACE_S,
             nodes="\n".join(f"NodeName={n.name} NodeAddr={n.address} CPUs={cpus} State=UNKNOWN"
                             for n in self.nodes)))
         # slurmd 22.05 loads a cgroup plugin whatever the config; autodetect fails in a

@@ -1,4 +1,4 @@
-"""spotring's API in one process (the multi-process guarantees: tests/test_examples.py):
+"""spotring's API in one process (with real ranks: tests/test_resume.py):
 what a user's script gets from init, track, save, restore, should_stop, log and finish."""
 
 from __future__ import annotations
@@ -6,19 +6,25 @@ from __future__ import annotations
 import ast
 import inspect
 import json
+import logging
 import pydoc
 import re
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 from torch.utils.data import TensorDataset
 
 import spotring
+from spotring.checkpoint import directory_of, newest_valid
 from spotring.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, PREEMPTED, Diverged
+from spotring.polling import poll
+from tests.commands import call
 from tests.conftest import REPO
+from tests.faults import FaultProxy
 
 N, GLOBAL_BATCH = 40, 8
 QUIET = spotring.PreemptionOptions(notices="none")  # no metadata service to look for
@@ -151,17 +157,16 @@ def test_a_non_finite_loss_or_weights_is_a_divergence(tmp_path):
     j.close()
 
 
-SCRIPT = """
-import sys, spotring, torch
-with spotring.init(run_dir=sys.argv[1],
-                   preemption=spotring.PreemptionOptions(notices="none")) as job:
-    job.loader(torch.utils.data.TensorDataset(torch.zeros(10, 1)), int(sys.argv[2]))
-    if sys.argv[3] == "nan":
-        job.check_finite(float("nan"))
-"""
+def script(argv: list[str]) -> None:
+    """A user's script, RUN_DIR GLOBAL_BATCH END: a job over 10 samples, whose loss is
+    NaN where END is "nan"."""
+    run_dir, global_batch, end = argv
+    with spotring.init(run_dir=run_dir, preemption=QUIET) as j:
+        j.loader(TensorDataset(torch.zeros(10, 1)), int(global_batch))
+        if end == "nan":
+            j.check_finite(float("nan"))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("args, code, says", [
     (["5", "-"], 0, ""),
     (["20", "-"], EXIT_CONFIG, "batch of 20 samples is larger than the dataset (10 samples)"),
@@ -169,21 +174,60 @@ with spotring.init(run_dir=sys.argv[1],
 ])
 def test_with_turns_what_went_wrong_into_the_exit_code_a_launcher_acts_on(
         tmp_path, args, code, says):
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == code, proc.stderr
-    assert says in proc.stderr
+    done = call(script, str(tmp_path), *args)  # as its process would end (tests/commands.py)
+    assert done.code == code, done.err
+    assert says in done.err
     assert (tmp_path / "diverged.json").exists() == (code == EXIT_DIVERGED)
 
 
-@pytest.mark.slow
-def test_bad_options_exit_2_naming_the_value_and_the_valid_ones(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-c", "import spotring; spotring.init(engine='deepspeed')"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == EXIT_CONFIG
-    assert "engine=deepspeed: unknown; valid: ddp, fsdp, horovod" in proc.stderr
-    assert not (tmp_path / "runs").exists()
+def test_any_way_out_of_with_lets_the_background_save_in_flight_finish(
+        tmp_path, s3, monkeypatch, caplog):
+    """sys.exit inside ``with`` while a background save uploads: the process waits for it
+    (saying so) rather than end under it. S3 sits behind tests/faults.py's proxy, held
+    until the wait is logged, so the save is in flight when sys.exit comes."""
+    proxy = FaultProxy(s3["AWS_ENDPOINT_URL"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    uri = "s3://spotring/way-out"
+
+    def release_once_waited_for() -> None:
+        poll(lambda: any("before exiting" in r.getMessage() for r in caplog.records) or None,
+             timeout_s=60, interval_s=0.01, what="the wait for the save in flight")
+        proxy.release()
+
+    try:
+        with caplog.at_level(logging.INFO, logger="spotring"), pytest.raises(SystemExit) as e, \
+                job(tmp_path, checkpoint_uri=uri) as j:
+            model = torch.nn.Linear(3, 1)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            loader = j.loader(dataset(), GLOBAL_BATCH)
+            model, optimizer = j.wrap(model, optimizer)
+            j.track(model=model, optimizer=optimizer, loader=loader)
+            steps(j, model, optimizer, loader, 2)
+            proxy.hold()
+            j.save(background=True)
+            threading.Thread(target=release_once_waited_for, daemon=True).start()
+            sys.exit(3)
+    finally:
+        proxy.stop()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", s3["AWS_ENDPOINT_URL"])
+    assert e.value.code == 3
+    assert "waiting for the checkpoint of step 2, written in the background, before " \
+           "exiting" in caplog.text and "checkpoint of step 2 complete" in caplog.text
+    assert newest_valid(tmp_path / "elsewhere", uri).step == 2  # on S3, whole
+
+
+def test_rank_0_notes_where_its_checkpoints_are_for_whoever_finds_the_run(tmp_path):
+    """A launcher fetching a run, or a sweep resuming one, knows it by its run directory:
+    rank 0 notes there where checkpoint.dir put the checkpoints."""
+    elsewhere = tmp_path / "disk" / "ckpt"
+    j = job(tmp_path / "run", checkpoint_dir=elsewhere)
+    model = torch.nn.Linear(3, 1)
+    j.track(model=model)
+    j.save(background=False)
+    j.close()
+    assert directory_of(tmp_path / "run") == elsewhere
+    assert newest_valid(directory_of(tmp_path / "run")).step == 0
+    assert directory_of(tmp_path / "never-ran") == tmp_path / "never-ran" / "checkpoints"
 
 
 def test_epochs_continue_mid_epoch_and_skip_one_restored_at_its_end():
@@ -215,6 +259,7 @@ def test_engine_options_come_as_an_object_or_as_keywords_over_it(tmp_path):
 
 
 @pytest.mark.parametrize("options, says", [
+    ({"engine": "deepspeed"}, "engine=deepspeed: unknown; valid: ddp, fsdp, horovod"),
     ({"engine": "horovod", "bucket_mb": 50},
      "bucket_mb: not an option of engine=horovod (HorovodOptions: backend, timeout_s, "
      "compression, op, timeline)"),
@@ -233,13 +278,14 @@ def test_engine_options_come_as_an_object_or_as_keywords_over_it(tmp_path):
      None),  # a TypeError: init has no such keyword (PreemptionOptions has)
 ])
 def test_an_option_the_engine_or_its_class_lacks_exits_2_naming_what_is_valid(
-        tmp_path, capsys, options, says):
+        tmp_path, monkeypatch, capsys, options, says):
+    monkeypatch.chdir(tmp_path)  # where the run directory would be: runs/<script>
     if says is None:
         with pytest.raises(TypeError, match="poll_seconds"):
-            spotring.init(run_dir=tmp_path, **options)
+            spotring.init(**options)
         return
-    assert says in refused(capsys, run_dir=tmp_path, **options)
-    assert not (tmp_path / "checkpoints").exists()
+    assert says in refused(capsys, **options)
+    assert list(tmp_path.iterdir()) == []  # no run directory, no checkpoints
 
 
 def test_checkpoint_and_preemption_options_as_objects(tmp_path, monkeypatch):
@@ -335,11 +381,11 @@ def test_every_public_call_documents_each_of_its_parameters():
         if inspect.isclass(obj) and not issubclass(obj, BaseException):
             calls += [(f"{name}.{m}", f) for m, f in vars(obj).items()
                       if inspect.isfunction(f) and (not m.startswith("_") or m == "__init__")]
-        for where, call in calls:
-            doc = inspect.getdoc(call) or ""
+        for where, function in calls:
+            doc = inspect.getdoc(function) or ""
             if where.endswith(".__init__"):
                 doc += "".join(inspect.getdoc(c) or "" for c in obj.__mro__)
-            params = [p for p in inspect.signature(call).parameters
+            params = [p for p in inspect.signature(function).parameters
                       if p not in ("self", "cls")]
             missing += [f"{where}({p})" for p in params
                         if not re.search(rf"\b{p}\b", doc)]

@@ -1,7 +1,8 @@
 """The benchmark report: every number in report.md is the one in results.json, the plots
 are real PNGs, bus bandwidth follows nccl-tests' definition, the intervals are 95%
 confidence intervals; bad input exits 2 before anything runs; and one real benchmark
-run, kept lean, from `spotring bench` to `spotring report`."""
+run, kept lean, from `spotring bench` to `spotring report`. The commands run in this
+process (their main), but for one real `spotring report` that exits 2."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from spotring.benchmarks import predict, report, suite
 from spotring.benchmarks.stats import mean_ci
 from tests.conftest import REPO
 
@@ -26,14 +28,9 @@ PLOTS = {"throughput": ["throughput.png", "efficiency.png"], "allreduce": ["allr
 NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")
 
 
-def bench(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "spotring.benchmarks.suite", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def report(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "spotring.benchmarks.report", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+def render(folder: Path) -> None:
+    """`spotring report FOLDER`."""
+    assert report.main([str(folder)]) == 0
 
 
 # ----------------------------------------------------------------- reading report.md
@@ -192,8 +189,7 @@ def test_the_reference_report_shows_the_numbers_of_its_results_json():
 
 def test_the_report_is_rendered_from_results_json_alone(tmp_path):
     shutil.copy(REFERENCE / "results.json", tmp_path / "results.json")
-    out = report(str(tmp_path))
-    assert out.returncode == 0, out.stderr
+    render(tmp_path)
     assert check_report(tmp_path) > 100
     check_plots(tmp_path, json.loads((tmp_path / "results.json").read_text()))
 
@@ -203,7 +199,7 @@ def test_a_run_of_some_sections_renders_those_alone(tmp_path):
     for key in ("throughput", "batch_sizes", "prediction"):
         del results[key]
     (tmp_path / "results.json").write_text(json.dumps(results))
-    assert report(str(tmp_path)).returncode == 0
+    render(tmp_path)
     assert check_report(tmp_path) > 10
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["allreduce.png"]
 
@@ -217,7 +213,9 @@ def test_the_confidence_interval_is_student_s_95_percent_of_the_mean():
 
 
 def test_report_of_an_unknown_run_exits_2_naming_it():
-    out = report("no-such-run")
+    # The command family's one real process: `spotring report` as a user starts it.
+    out = subprocess.run([sys.executable, "-m", "spotring.benchmarks.report", "no-such-run"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "no-such-run" in out.stderr and "reference" in out.stderr
 
 
@@ -230,66 +228,41 @@ def test_report_of_an_unknown_run_exits_2_naming_it():
     (["--only", "time_to_accuracy", "--target", "0"], "0"),
     (["--only", "time_to_accuracy", "--seeds", "0"], "0"),
 ])
-def test_bad_bench_input_exits_2_before_anything_runs(tmp_path, args, named):
-    out = bench("--quick", "--name", str(tmp_path / "run"), *args)
-    assert out.returncode == 2 and named in out.stderr, out.stderr
-    assert not (tmp_path / "run").exists()
-
-
-@pytest.mark.parametrize("args, named", [
-    (["--only", "api,bogus"], "'bogus'"),
-    (["--only", "trainer-before-after"], "--before"),
-    (["--only", "trainer-before-after", "--before", "/no/such/checkout"], "/no/such/checkout"),
-    (["--before", str(REPO)], "trainer-before-after"),  # the section not asked for
-    (["--repeats", "0"], "0"),
-])
-def test_bad_api_cost_input_exits_2_naming_it(tmp_path, capsys, args, named):
-    from spotring.benchmarks import api_cost
-
+def test_bad_bench_input_exits_2_before_anything_runs(tmp_path, capsys, args, named):
     with pytest.raises(SystemExit) as exited:
-        api_cost.main([*args, "--name", str(tmp_path / "run")])
+        suite.main(["--quick", "--name", str(tmp_path / "run"), *args])
     assert exited.value.code == 2 and named in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("args, named", [
-    (["--variant", "files"], "--data"),
-    (["--variant", "bogus"], "'bogus'"),
-    (["--variant", "files", "--data", "x", "--loader-workers", "-1"], "-1"),
-])
-def test_bad_api_cost_run_exits_2_naming_it(capsys, args, named):
-    from spotring.benchmarks import api_cost_loops
-
-    with pytest.raises(SystemExit) as exited:
-        api_cost_loops.main(args)
-    assert exited.value.code == 2 and named in capsys.readouterr().err
-
-
-def test_every_command_has_help_under_its_spotring_name():
-    for module, prog in (("suite", "spotring bench"), ("report", "spotring report"),
-                         ("predict", "spotring predict")):
-        out = subprocess.run([sys.executable, "-m", f"spotring.benchmarks.{module}", "--help"],
-                             cwd=REPO, capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0 and out.stdout.startswith(f"usage: {prog}"), out.stdout
+def test_every_command_has_help_under_its_spotring_name(capsys):
+    for main, prog in ((suite.main, "spotring bench"), (report.main, "spotring report"),
+                       (predict.main, "spotring predict")):
+        with pytest.raises(SystemExit) as exited:
+            main(["--help"])
+        assert exited.value.code == 0 and capsys.readouterr().out.startswith(f"usage: {prog}")
 
 
 @pytest.mark.slow
-def test_a_quick_benchmark_run_from_measurement_to_report(tmp_path):
+def test_a_quick_benchmark_run_from_measurement_to_report(tmp_path, capsys):
     """`spotring bench --quick`, narrowed to the trainer and the plain loop over Gloo, the
     Gloo and MPI allreduce, and one model of the batch-size table (about two minutes; time
     to accuracy has its own, tests/test_time_to_accuracy.py)."""
     run = tmp_path / "run"
-    out = bench("--quick", "--name", str(run), "--only", "throughput", "allreduce",
-                "batch_sizes", "--engines", "ddp", "plain", "--transports", "gloo", "mpi",
-                "--table-models", "lenet", "--table-batch-sizes", "32", timeout=900)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    assert re.search(r"\[\d+/4\] throughput ddp x 2, batch 64: \d+ ± \d+ img/s", out.stdout)
-    assert report(str(run)).returncode == 0
+    assert suite.main(["--quick", "--name", str(run), "--only", "throughput", "allreduce",
+                       "batch_sizes", "--engines", "ddp", "plain", "--transports", "gloo",
+                       "mpi", "--table-models", "lenet", "--table-batch-sizes", "32"]) == 0
+    said = capsys.readouterr().out
+    assert re.search(r"\[\d+/4\] throughput ddp x 2, batch 64: \d+ ± \d+ img/s", said), said
+    assert re.search(r"\[1/1\] batch sizes lenet, batch 32: \d+ ± \d+ img/s", said), said
+    render(run)
     results = json.loads((run / "results.json").read_text())
     assert check_report(run) > 40
     check_plots(run, results)
     check_bus_bandwidth(results)
-    assert results["command"].startswith("python -m spotring.benchmarks.suite --quick")
+    assert results["command"].startswith("spotring bench --quick")
+    (row,) = results["batch_sizes"]["rows"]
+    assert (row["model"], row["batch"], len(row["intervals"])) == ("lenet", 32, 5)
     assert results["throughput"]["gradient_bytes"] == 4 * (32 * 25 + 32 + 64 * 32 * 25 + 64
                                                            + 1024 * 128 + 128 + 1280 + 10)
     rows = {(r["engine"], r["workers"]): r for r in results["throughput"]["rows"]}

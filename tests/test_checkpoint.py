@@ -35,9 +35,10 @@ from spotring.checkpoint import (
     folder_name,
     manifest_name,
 )
+from spotring.checkpointer import load_whole, publish
 from spotring.exits import ConfigError
 from spotring.sharded import METADATA
-from tests.conftest import REPO, assert_close
+from tests.conftest import REPO, assert_close, run_trainer
 
 MODEL = {"name": "convnet", "l1": 0.0, "channels": [32, 64], "kernels": [5, 5], "hidden": 128}
 
@@ -49,8 +50,8 @@ def meta(step: int, model=MODEL) -> dict:
 
 def save(checkpoints: Checkpoints, step: int, model=MODEL):
     """One process's checkpoint of ``step``: a tensor through DCP, a position beside it."""
-    return checkpoints.save({"model": {"w": torch.full((64, 64), float(step))}},
-                            meta(step, model), {"position": step, "spotring": {"step": step}})
+    return publish(checkpoints, {"model": {"w": torch.full((64, 64), float(step))}},
+                   meta(step, model), {"position": step, "spotring": {"step": step}})
 
 
 def data_part(directory: Path, step: int) -> Path:
@@ -87,7 +88,7 @@ def test_save_keeps_the_last_k_and_nothing_half_written(tmp_path):
     assert [c.step for c in find_resume("auto", checkpoints)] == [30, 20]
     newest = checkpoints.newest_valid()
     assert newest.location == str(folder)
-    loaded = newest.load()
+    loaded = load_whole(newest)
     assert loaded["position"] == 30 and loaded["spotring"] == {"step": 30}
     assert torch.equal(loaded["model"]["w"], torch.full((64, 64), 30.0))
 
@@ -184,7 +185,7 @@ def test_a_damaged_newest_checkpoint_is_reported_naming_the_part_and_skipped(
     with caplog.at_level(logging.WARNING, logger="spotring"):
         found = checkpoints.newest_valid()
     assert found.step == 10
-    assert torch.equal(found.load()["model"]["w"], torch.full((64, 64), 10.0))
+    assert torch.equal(load_whole(found)["model"]["w"], torch.full((64, 64), 10.0))
     if damage == "bad_manifest":
         assert f"skipping checkpoint: {manifest}: unreadable" in caplog.text
     if problem is not None:
@@ -205,7 +206,7 @@ def test_resume_path_names_a_checkpoint_by_its_manifest_or_folder(tmp_path):
         (found,) = find_resume(str(path), checkpoints)
         assert found.step == 10 and found.location == str(tmp_path / folder_name(10))
         found.verify()
-        assert found.load()["position"] == 10
+        assert load_whole(found)["position"] == 10
     part = data_part(tmp_path, 10)
     part.write_bytes(part.read_bytes()[:100])
     (found,) = find_resume(str(tmp_path / folder_name(10)), checkpoints)
@@ -268,9 +269,9 @@ def test_a_format_1_checkpoint_is_still_read_verified_and_pruned(tmp_path, caplo
     checkpoints = Checkpoints(directory, keep=2)
     found = checkpoints.newest_valid()
     assert (found.step, found.location, found.format) == (10, str(single), 1)
-    assert found.load()["position"] == 10
+    assert load_whole(found)["position"] == 10
     (by_path,) = find_resume(str(single), checkpoints)
-    assert by_path.step == 10 and by_path.load()["position"] == 10
+    assert by_path.step == 10 and load_whole(by_path)["position"] == 10
     # After the upgrade: a format-2 checkpoint beside it, damaged, falls back to it.
     save(checkpoints, 20)
     data_part(directory, 20).unlink()
@@ -324,10 +325,13 @@ STEPS = ["dataset=synthetic", "dataset.shape=[1,28,28]", "dataset.train_size=200
 
 
 @pytest.mark.slow
-def test_resume_mid_epoch_ends_with_the_parameters_of_an_uninterrupted_run(train):
+def test_resume_mid_epoch_ends_with_the_parameters_of_an_uninterrupted_run(tmp_path):
     # 2000 samples / 64 = 31 steps per epoch: step 40 is in the middle of epoch 2. One
     # worker here; resuming with several (and on another number of them) is in
-    # test_spot.py and test_horovod.py.
+    # test_resume.py, test_spot.py and test_horovod.py.
+    def train(name: str, *overrides: str, expect: int = 0):
+        return run_trainer(tmp_path / name, *overrides, launcher="spawned", expect=expect)
+
     whole = train("whole", *STEPS, "train.max_steps=70")
     first = train("parts", *STEPS, "train.max_steps=40", "checkpoint.every_steps=15")
     assert [c.step for c in first.checkpoints()] == [30, 31, 40]  # every 15, epoch, end

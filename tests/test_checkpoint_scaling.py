@@ -1,6 +1,6 @@
 """benchmarks/checkpoint_scaling.py and its report: the bytes of each rank read from a
 manifest, the stall of each kind of save, and its --quick mode end to end (torchrun, a moto
-S3 server, SIGTERM to every rank)."""
+S3 server, SIGTERM to every rank); and the notice budget, one worker of the same run."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import json
 import pytest
 
 from spotring.benchmarks import checkpoint_scaling as bench
+from spotring.benchmarks import notice_budget
 from spotring.benchmarks.checkpoint_ranks import blocks_for, state_bytes
 from spotring.benchmarks.checkpoint_scaling_report import stalls
+from spotring.preemption import NOTICE_SECONDS
 
 
 def test_each_part_counts_for_the_rank_that_wrote_it():
@@ -41,9 +43,27 @@ def test_the_quick_benchmark_runs_end_to_end(tmp_path):
     assert all(cells["sharded"]["rank_bytes"])  # every rank wrote its part
     assert "of_rank0" in cells["sharded"]
     assert set(section["stall"]) == {"background", "blocking"}
-    assert section["verdicts"]["stall"] is not None
+    assert section["stall_ratio"]["stall"] == pytest.approx(
+        section["stall"]["background"]["stall"] / section["stall"]["blocking"]["stall"])
     report = (folder / "report.md").read_text()
-    assert "## Goals" in report and "## (d) Periodic saves" in report
+    assert "## (d) Periodic saves" in report
+    assert f"stall over a blocking one's: {section['stall_ratio']['stall']:.3f}x" in report
+
+
+@pytest.mark.slow
+def test_the_notice_budget_is_the_margin_left_of_ec2_s_notice(tmp_path):
+    pytest.importorskip("moto.server")
+    folder = tmp_path / "run"
+    assert notice_budget.main(["--gb", "0.01", "--repeats", "1", "--steps", "1",
+                               "--name", str(folder)]) == 0
+    section = json.loads((folder / "results.json").read_text())["notice_budget"]
+    (run,) = section["runs"]
+    assert run["workers"] == 1 and run["s3"]
+    assert run["margin"] == pytest.approx(NOTICE_SECONDS - run["notice_to_s3"])
+    assert 0 < run["notice_to_local"] <= run["notice_to_s3"] < NOTICE_SECONDS
+    assert section["summary"]["margin"]["mean"] == run["margin"]
+    assert f"| margin of EC2's {NOTICE_SECONDS} s (s) | {run['margin']:.2f} ± 0.00 |" in (
+        folder / "report.md").read_text()
 
 
 def test_a_save_that_waited_for_a_write_in_flight_is_left_out_of_its_stall():

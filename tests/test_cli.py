@@ -1,45 +1,41 @@
 """The `spotring` command as users type it: its help, and bad input that Hydra itself
 would have let through with exit 1 (a group option, a key or a type) exits 2 with the bad
-value and the valid options named, before any process group or run directory exists."""
+value and the valid options named, before any process group or run directory exists.
+
+Each runs `spotring.cli.main` in this process (tests/commands.py); the installed command
+is tests/test_package.py's, and the trainer's bad input under real launchers
+tests/test_config.py's."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from tests.conftest import REPO
+from spotring.cli import main
+from tests.commands import call, python_m
 
-SPOTRING = [sys.executable, "-m", "spotring"]
-
-
-def spotring(*args: str, cwd=REPO, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([*SPOTRING, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
+SUBCOMMANDS = ["train", "launch", "up", "run", "status", "down", "cost", "sweep", "sbatch",
+               "bench", "report", "predict"]
 
 
 def test_help_lists_every_subcommand_with_a_line():
-    proc = spotring("--help")
-    assert proc.returncode == 0, proc.stderr
-    for name in ("train", "launch", "up", "run", "status", "down", "cost", "sweep", "sbatch",
-                 "bench", "report", "predict"):
+    done = python_m("spotring", "--help")
+    assert done.code == 0, done.err
+    for name in SUBCOMMANDS:
         assert any(line.split()[:1] == [name] and len(line.split()) > 2
-                   for line in proc.stdout.splitlines()), f"{name} missing:\n{proc.stdout}"
+                   for line in done.out.splitlines()), f"{name} missing:\n{done.out}"
 
 
 def test_an_unknown_subcommand_exits_2_naming_the_valid_ones():
-    proc = spotring("trian")
-    assert proc.returncode == 2
-    assert "'trian'" in proc.stderr and "train" in proc.stderr.split("valid:")[1]
+    done = call(main, "trian")
+    assert done.code == 2
+    assert "'trian'" in done.err and "train" in done.err.split("valid:")[1]
 
 
-@pytest.mark.parametrize("command", ["train", "launch", "up", "run", "status", "down", "cost",
-                                     "sweep", "sbatch", "bench", "report", "predict"])
+@pytest.mark.parametrize("command", SUBCOMMANDS)
 def test_every_subcommand_answers_help(command):
-    proc = spotring(command, "--help")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "usage" in proc.stdout.lower() or "== Configuration groups ==" in proc.stdout
+    done = call(main, command, "--help")
+    assert done.code == 0, done.err[-2000:]
+    assert "usage" in done.out.lower() or "== Configuration groups ==" in done.out
 
 
 @pytest.mark.parametrize("override, named, valid", [
@@ -51,18 +47,18 @@ def test_every_subcommand_answers_help(command):
 ])
 def test_bad_hydra_input_exits_2_naming_it(tmp_path, override, named, valid):
     run_dir = tmp_path / "run"
-    proc = spotring("train", override, f"hydra.run.dir={run_dir}")
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert named in proc.stderr
+    done = call(main, "train", override, f"hydra.run.dir={run_dir}")
+    assert done.code == 2, done.err[-3000:]
+    assert named in done.err
     for option in valid:
-        assert option in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert "Config search path" not in proc.stderr  # Hydra's developer detail is cut
+        assert option in done.err, done.err
+    assert "Traceback" not in done.err
+    assert "Config search path" not in done.err  # Hydra's developer detail is cut
     assert not run_dir.exists()
 
 
 def test_a_bad_value_in_a_sweep_exits_2_before_any_trial(tmp_path):
-    proc = spotring("train", "-m", "optim.lr=0.1,abc", f"hydra.sweep.dir={tmp_path / 'sweep'}")
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "optim.lr=abc" in proc.stderr
+    done = call(main, "train", "-m", "optim.lr=0.1,abc", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert done.code == 2, done.err[-3000:]
+    assert "optim.lr=abc" in done.err
     assert not (tmp_path / "sweep").exists()

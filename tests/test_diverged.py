@@ -21,14 +21,15 @@ def _note(run) -> dict:
     return json.loads((run.dir / DIVERGED).read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_steps, log_every, kind, step", [
     (30, 5, "train", 5),  # caught at the first log line, after its allreduce
-    pytest.param(5, 100, "test", 5, marks=pytest.mark.slow),  # no log line: the final test
+    (5, 100, "test", 5),  # no log line: the final test
 ])
 def test_a_diverging_run_exits_65_with_a_note_and_no_summary(train, max_steps, log_every, kind,
                                                               step):
     run = train("run", *DIVERGING, f"train.max_steps={max_steps}",
-                f"telemetry.log_every={log_every}", expect=EXIT_DIVERGED)
+                f"telemetry.log_every={log_every}", launcher="spawned", expect=EXIT_DIVERGED)
     note = _note(run)
     assert note["step"] == step and not math.isfinite(note["loss"])
     assert note["reason"].startswith(f"the {kind} loss is ")

@@ -13,12 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import PARITY, assert_close, run_trainer
-
-
-@pytest.fixture(scope="module")
-def one_worker(tmp_path_factory):
-    return run_trainer(tmp_path_factory.mktemp("one") / "run", *PARITY, "train.batch_size=64")
+from tests.conftest import PARITY, assert_close
 
 
 @pytest.mark.slow
@@ -41,7 +36,7 @@ def test_two_workers_equal_one_worker_with_twice_the_batch(train, one_worker, dd
 @pytest.mark.slow
 def test_gradient_accumulation_equals_the_larger_batch(train, one_worker):
     accumulated = train("acc", *PARITY, "train.batch_size=16", "train.accumulation=2",
-                        launcher="torchrun", nproc=2)
+                        launcher="spawned", nproc=2)
     assert accumulated.summary["global_batch"] == 64
     assert_close(accumulated.params(), one_worker.params(), rtol=1e-10)
 
@@ -49,7 +44,7 @@ def test_gradient_accumulation_equals_the_larger_batch(train, one_worker):
 @pytest.mark.slow
 def test_fsdp_in_the_trainer_equals_one_worker_with_twice_the_batch(train, one_worker):
     # engine=fsdp's blocks "auto": each layer of the Sequential network, sharded on its own.
-    sharded = train("fsdp", *PARITY, "train.batch_size=32", "engine=fsdp", launcher="torchrun",
+    sharded = train("fsdp", *PARITY, "train.batch_size=32", "engine=fsdp", launcher="spawned",
                     nproc=2)
     assert (sharded.summary["engine"], sharded.summary["world_size"]) == ("fsdp", 2)
     assert sharded.summary["steps"] == one_worker.summary["steps"] == 20

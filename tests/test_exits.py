@@ -123,6 +123,9 @@ def sweep_runs(code: int, tmp_path: Path, monkeypatch) -> int:
 
     tmp_path.mkdir()
     monkeypatch.chdir(tmp_path)
+    # The runner looks at its trials every POLL_S (a second, for trainers that run for
+    # minutes); this one ends in a fraction of that.
+    monkeypatch.setattr(runner, "POLL_S", 0.01)
     exit_with = "import os, sys; sys.exit(int(os.environ['CODE']))"
     plan = config.plan(["sweep=custom", "sweep.name=codes", "sweep.trials=1",
                         f"sweep.max_retries={BUDGET}", "sweep.params.x=choice(1)"],

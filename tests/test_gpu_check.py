@@ -1,7 +1,10 @@
 """tools/gpu-check, the one command that proves spotring on a GPU machine, kept from
-rotting where there is no GPU: its CPU mode runs every check; stopped by a signal or by
-its budget it takes every process it started down with it and says which checks ran; and
-the bundle of `make gpu-bundle` is all it needs on a Python that has torch alone."""
+rotting where there is no GPU. Its tests are tests/test_gpu.py's, which `make test` runs
+itself; here: its pytest reports each test as it starts and ends, with the test's figures;
+stopped by SIGTERM in the middle of a test, the kit takes every process it started down
+with it and says what became of each check; its figures run on a CPU; its report; bad
+input; and the bundle of `make gpu-bundle` is all it needs on a Python that has torch
+and pytest alone."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import time
 import uuid
 import venv
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 
@@ -23,29 +27,29 @@ import pytest
 import torch
 from packaging.requirements import Requirement
 
-from spotring.benchmarks import gpu_bundle, gpu_check, gpu_kit, gpu_report
 from spotring.launch import wheel
-from spotring.runtime import compile_unavailable
 from tests.conftest import REPO
 
 KIT = REPO / "tools" / "gpu-check"
-NAMES = [c.name for c in gpu_check.CHECKS]
 
 
-@pytest.fixture(scope="module")
-def kit_start():
-    """tools/run_bundled.py, which runs by its path before anything of spotring imports."""
-    spec = importlib.util.spec_from_file_location("run_bundled", REPO / "tools" / "run_bundled.py")
-    module = importlib.util.module_from_spec(spec)
+def tool(name: str):
+    """tools/``name``.py as a module: the kit's files run by their paths, not imported."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # as its dataclasses ask
     spec.loader.exec_module(module)
     return module
 
 
-def marked() -> tuple[dict[str, str], str]:
-    """An environment for the kit with a mark of its own, which every process it starts
-    inherits; and the mark."""
-    mark = uuid.uuid4().hex
-    return {**os.environ, "PYTHON": sys.executable, "SPOTRING_TEST_MARK": mark}, mark
+@pytest.fixture(scope="module")
+def kit():
+    return tool("gpu_check")
+
+
+@pytest.fixture(scope="module")
+def kit_start():
+    """tools/run_bundled.py, which runs before anything of spotring imports."""
+    return tool("run_bundled")
 
 
 def processes_marked(mark: str) -> dict[int, tuple[int, str]]:
@@ -85,157 +89,167 @@ def results_of(out: Path) -> tuple[dict, dict[str, dict], str]:
     return results, {c["check"]: c for c in results["checks"]}, (out / "report.md").read_text()
 
 
-@pytest.mark.slow
-def test_the_cpu_mode_runs_every_check_and_reports_each_figure(tmp_path):
-    out = tmp_path / "out"
-    start = time.monotonic()
-    proc = subprocess.run([str(KIT), str(out), "--device", "cpu", "--tiny"], cwd=REPO,
-                          env={**os.environ, "PYTHON": sys.executable},
-                          capture_output=True, text=True, timeout=600)
-    print(f"\ntools/gpu-check --device cpu --tiny: {time.monotonic() - start:.1f} s")
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    results, checks, report = results_of(out)
-    assert list(checks) == NAMES
-    for name in NAMES:  # a row as each ended, and in the report
-        assert f"| {name} | {checks[name]['status']} |" in proc.stdout
-        assert f"| {name} | {checks[name]['status']} |" in report
-    compiles = compile_unavailable(torch.device("cpu")) is None
-    assert {n: c["status"] for n, c in checks.items()} == {
-        **{n: "passed" for n in NAMES}, "throughput fp16": "skipped",
-        "throughput bf16 channels_last compile": "passed" if compiles else "skipped"}
-    assert "fp16 on the CPU" in checks["throughput fp16"]["summary"]
-    assert results["machine"]["torch"] == torch.__version__ and results["devices"] == 2
-    assert results["stopped_by"] is None and results["passed"]
-    assert results["spotring"] == f"{metadata.version('spotring')} from {REPO}"
+# A test file of the kit's pytest's own: one test passes with figures, one skips, one fails.
+LINES_TESTS = """
+import pytest
 
-    for name, workers in (("mnist 1", 1), ("mnist all", 2)):
-        figures = checks[name]["figures"]
-        assert figures["workers"] == workers and figures["reached"] == 1
-        (run,) = figures["runs"]
-        assert run["seconds_to_target"] > 0 and run["images_per_second"] > 0
-        assert run["backend"] == "gloo" and run["command"] in checks[name]["commands"]
-        assert f"--nproc-per-node {workers} -m spotring.trainer" in run["command"]
-    assert checks["parity"]["figures"]["relative_difference"] <= 1e-10
-    throughput = checks["throughput fp32"]["figures"]
-    assert throughput["images_per_second"]["mean"] > 0 and throughput["peak_memory_mb"] > 0
-    preemption = checks["preemption"]["figures"]
-    assert preemption["exit_code"] == 75 and preemption["bitwise_equal"]
-    assert 10 <= preemption["stopped_at"] < preemption["steps"] == 40
-    allreduce = checks["allreduce"]["figures"]
-    assert [r["bytes"] for r in allreduce["sizes"]] == [1024, 4096, 16384, 65536]
-    assert all(r["busbw_gbps"] > 0 for r in allreduce["sizes"])
-    fsdp = checks["fsdp"]["figures"]
-    for engine in ("ddp", "fsdp"):
-        assert fsdp[engine]["engine"] == engine and fsdp[engine]["world_size"] == 1
-        assert fsdp[engine]["tokens_per_second"] > 0
-        assert fsdp[engine]["ranks"][0]["peak_memory_mib"] > 0
-    saves = checks["checkpoint"]["figures"]
-    assert saves["world_size"] == 2 and saves["state_bytes"] >= 0.02e9
-    for kind in ("background", "blocking"):
-        assert saves[kind]["saves"] >= 1 and saves[kind]["save_step"] > 0
-    # Its runs keep their records, not their checkpoints: OUTDIR is for committing.
-    assert (out / "runs" / "mnist-w1-s0" / "summary.json").is_file()
-    assert not list(out.glob("runs/*/checkpoints"))
+def test_passes(record_property):
+    record_property("images_per_second", 1234.5678)
+    record_property("backend", "gloo")
+
+def test_skips():
+    pytest.skip("needs 2 cuda devices or more")
+
+def test_fails():
+    assert 1 + 1 == 3
+"""
+
+
+def test_the_kits_pytest_says_each_test_as_it_starts_and_ends_and_the_kit_rows_them(
+        tmp_path, kit):
+    (tmp_path / "test_lines.py").write_text(LINES_TESTS)
+    lines = tmp_path / "lines.jsonl"
+    # pytest and tools/gpu_tests.py alone: nothing imports torch.
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_tests.py"),
+                           "test_lines.py", "--gpu-results", str(lines), "-p",
+                           "no:cacheprovider"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 1, done.stdout  # one failed
+    said = [json.loads(line) for line in lines.read_text().splitlines()]
+    ids = [f"test_lines.py::test_{n}" for n in ("passes", "skips", "fails")]
+    assert said[0] == {"collected": ids}
+    assert [x.get("started") or x["test"] for x in said[1:]] == [i for i in ids for _ in "se"]
+    ended = {x["test"]: x for x in said[1:] if "test" in x}
+    assert [ended[i]["outcome"] for i in ids] == ["passed", "skipped", "failed"]
+    rows = [kit.row_of_test(ended[i]) for i in ids]
+    assert [(r.check, r.kind, r.status) for r in rows] == [
+        ("test_passes", "test", "passed"), ("test_skips", "test", "skipped"),
+        ("test_fails", "test", "failed")]
+    assert rows[0].summary == "images_per_second 1235; backend gloo"
+    assert rows[0].figures == {"images_per_second": 1234.5678, "backend": "gloo"}
+    assert rows[1].summary == "needs 2 cuda devices or more"
+    assert rows[2].summary == "assert (1 + 1) == 3" and "def test_fails" in rows[2].figures["error"]
 
 
 @pytest.mark.slow
-def test_sigterm_in_the_middle_of_a_check_stops_the_kit_and_every_process_it_started(
-        tmp_path):
-    out = tmp_path / "out"
-    env, mark = marked()
-    kit = subprocess.Popen([str(KIT), str(out), "--device", "cpu", "--tiny"], cwd=REPO, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def test_sigterm_in_the_middle_of_a_test_stops_the_kit_and_every_process_it_started(
+        tmp_path, kit):
+    out, mark = tmp_path / "out", uuid.uuid4().hex
+    env = {**os.environ, "PYTHON": sys.executable, "SPOTRING_TEST_MARK": mark}
+    proc = subprocess.Popen([str(KIT), str(out), "--device", "cpu", "--tiny", "--tests",
+                             "default_run and one"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
-        while not torchrun_workers(mark):  # the checks' trainers under way
-            assert kit.poll() is None and time.monotonic() < deadline, kit.communicate()
+        while not torchrun_workers(mark):  # the test's trainer under way
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.1)
-        kit.send_signal(signal.SIGTERM)
-        stdout, stderr = kit.communicate(timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
     finally:
-        if kit.poll() is None:
-            kit.kill()
-            kit.communicate()
-    assert kit.returncode == 128 + signal.SIGTERM, stdout + stderr[-4000:]
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + signal.SIGTERM, stdout + stderr[-4000:]
     assert none_left(mark) == []
     results, checks, report = results_of(out)
+    test = "test_the_default_run_reaches_its_target_on_every_seed[one]"
     assert results["stopped_by"] == "SIGTERM"
-    assert list(checks) == NAMES  # every check says what became of it
-    stopped = [n for n, c in checks.items() if c["status"] == "stopped"]
-    assert stopped and all("the kit got SIGTERM" in checks[n]["summary"] for n in stopped)
-    assert all(c["status"] == "skipped" and c["summary"].startswith("not started: the kit got "
-                                                                    "SIGTERM")
-               for n, c in checks.items() if n not in stopped)
-    assert "**Stopped by SIGTERM**" in report and f"| {stopped[0]} | stopped |" in report
+    assert list(checks) == [test, *kit.FIGURES]  # every check says what became of it
+    assert checks[test]["status"] == "stopped"
+    assert checks[test]["summary"].endswith("s: the kit got SIGTERM")
+    assert all(checks[n]["status"] == "skipped" and checks[n]["summary"] == "not started: the "
+               "kit got SIGTERM" for n in kit.FIGURES)
+    assert "**Stopped by SIGTERM**" in report and f"| {test} | stopped |" in report
     assert "gpu-check: STOPPED by SIGTERM" in stdout
+    assert not list(out.rglob("checkpoints"))  # OUTDIR is for committing
 
 
 @pytest.mark.slow
-def test_a_check_that_would_run_past_the_budget_is_stopped(tmp_path):
-    out = tmp_path / "out"
-    env, mark = marked()
-    start = time.monotonic()
-    proc = subprocess.run([str(KIT), str(out), "--device", "cpu", "--tiny", "--budget", "10"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    wall = time.monotonic() - start
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    assert none_left(mark) == []
-    results, checks, _ = results_of(out)
-    assert results["stopped_by"] is None and list(checks) == NAMES
-    statuses = {c["status"] for c in checks.values()}
-    assert "stopped" in statuses and statuses <= {"passed", "stopped", "skipped"}
-    for check in checks.values():
-        if check["status"] == "stopped":
-            assert "time budget ran out (--budget 10)" in check["summary"]
-    # Not the minutes its checks take: stopped, not waited for (start-up and saving aside).
-    assert wall < 10 + 60, wall
+def test_the_figures_run_on_a_cpu_and_say_what_they_measured(tmp_path, kit):
+    """Each figure as the kit runs it (--device cpu --tiny: three at once): the benchmark
+    behind it ran, and the row has its figures. (Its bf16 variants are fp32's with other
+    overrides.)"""
+    box = kit.Kit(tmp_path, "cpu", 2, kit.TINY)
+    names = ["throughput fp32", "throughput fp16", "allreduce", "fsdp", "checkpoint"]
+    with ThreadPoolExecutor(kit.TINY.parallel) as pool:
+        rows = dict(zip(names, pool.map(lambda name: kit.run_figure(box, name), names),
+                        strict=True))
+    assert {n: r.status for n, r in rows.items()} == {
+        **{n: "passed" for n in rows}, "throughput fp16": "skipped"}
+    assert "train.precision=fp16 on the CPU" in rows["throughput fp16"].summary
+    throughput = rows["throughput fp32"].figures
+    assert len(throughput["intervals"]) == 2 and throughput["images_per_second"]["mean"] > 0
+    assert throughput["precision"] == "fp32" and throughput["peak_memory_mb"] > 0
+    sizes = rows["allreduce"].figures["sizes"]
+    assert [r["bytes"] for r in sizes] == [1024, 4096, 16384, 65536]
+    assert all(r["busbw_gbps"] > 0 for r in sizes)
+    fsdp = rows["fsdp"].figures
+    assert [fsdp[e]["engine"] for e in ("ddp", "fsdp")] == ["ddp", "fsdp"]
+    assert all(fsdp[e]["world_size"] == 1 and fsdp[e]["tokens_per_second"] > 0
+               for e in ("ddp", "fsdp"))
+    saves = rows["checkpoint"].figures
+    assert saves["world_size"] == 2 and saves["state_bytes"] >= 0.02e9
+    assert all(saves[kind]["saves"] >= 1 for kind in ("background", "blocking"))
+    assert all(r.commands for r in rows.values() if r.status == "passed")
+    assert not list(tmp_path.rglob("checkpoints"))
 
 
-def test_bad_input_exits_2_naming_it(tmp_path, capsys):
+def test_bad_input_exits_2_naming_it(tmp_path, capsys, kit):
     for args, named in ((["--budget", "0"], "0: must be a number above 0"),
                         (["--device", "tpu"], "'tpu'"), (["--bund", "x"], "--bund")):
         with pytest.raises(SystemExit) as exited:
-            gpu_check.main([str(tmp_path / "out"), *args])
+            kit.main([str(tmp_path / "out"), *args])
         assert exited.value.code == 2 and named in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the kit would run")
-def test_without_a_gpu_the_kit_says_so_and_names_the_cpu_mode(tmp_path, capsys):
-    assert gpu_check.main([str(tmp_path / "out")]) == 2  # --device cuda, the default
+def test_without_a_gpu_the_kit_says_so_and_names_the_cpu_mode(tmp_path, capsys, kit):
+    assert kit.main([str(tmp_path / "out")]) == 2  # --device cuda, the default
     assert "--device cuda: torch sees no GPU here" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
-def test_the_report_of_a_gpu_machine_names_it_and_says_why_a_check_failed():
+def test_the_report_of_a_gpu_machine_names_it_and_says_why_a_check_failed(kit):
     gpu = {"count": 1, "name": "NVIDIA H100 80GB HBM3", "memory_gib": 79.2, "capability": "9.0",
-           "driver": "580.65.06", "cuda": "13.0", "cudnn": 91300, "nccl": "2.27.7"}
+           "driver": "580.65.06", "cuda": "13.0", "cudnn": 91300}
     results = {
         "command": "tools/gpu-check out --bundle gpu-bundle", "mode": "full", "device": "cuda",
         "devices": 1, "bundle": "gpu-bundle (17 wheels)", "spotring": "0.1.0 from /cache/k",
-        "throughput_workload": gpu_kit.FULL.workload, "started": "2026-11-27 10:00:00",
+        "throughput_workload": "torchvision model.arch=resnet50 on ...",
+        "started": "2026-11-27 10:00:00",
         "machine": {"cpu": "Xeon", "cores": 16, "memory_gib": 125.8, "python": "3.12.3",
-                    "torch": "2.11.0", "packages": {"torchvision": "0.26.0"}, "commit": "abc1234",
-                    "gpu": gpu},
-        "checks": [{"check": "mnist 1", "status": "failed", "summary": "1 of 3 seeds did not",
-                    "seconds": 61.5, "figures": {"error": "1 of 3 seeds did not\nreach 99%"},
-                    "commands": ["torchrun --standalone -m spotring.trainer"]},
-                   {"check": "parity", "status": "skipped", "summary": "needs 2 cuda devices",
-                    "seconds": 0.0, "figures": {}, "commands": []}],
-        "stopped_by": None, "wall_seconds": 61.6}
-    lines = gpu_report.report(results).splitlines()
+                    "packages": {"torch": "2.11.0", "torchvision": "0.26.0"},
+                    "commit": "abc1234", "nccl": "2.27.7", "gpu": gpu},
+        "checks": [{"check": "test_parity", "kind": "test", "status": "failed",
+                    "summary": "assert 2e-05 <= 1e-10", "seconds": 61.5,
+                    "figures": {"error": "E   assert 2e-05 <= 1e-10\nE   where ..."},
+                    "commands": []},
+                   {"check": "allreduce", "kind": "figure", "status": "skipped",
+                    "summary": "needs 2 cuda devices", "seconds": 0.0, "figures": {},
+                    "commands": []},
+                   {"check": "fsdp", "kind": "figure", "status": "passed",
+                    "summary": "124M parameters | bf16", "seconds": 20.0, "figures": {},
+                    "commands": ["torchrun -m spotring.benchmarks.fsdp_ranks"]}],
+        "stopped_by": None, "wall_seconds": 81.6}
+    lines = kit.report(results).splitlines()
     assert lines[0] == "# spotring GPU check: 1 x NVIDIA H100 80GB HBM3"
-    assert lines[2].endswith(", full mode, 61.6 s: 1 failed, 1 skipped.")
+    assert lines[2].endswith(", full mode, 81.6 s: 1 passed, 1 failed, 1 skipped.")
     for line in ["| GPUs | 1 x NVIDIA H100 80GB HBM3 (79.2 GiB, compute capability 9.0) |",
                  "| driver, CUDA, cuDNN, NCCL | 580.65.06, 13.0, 91300, 2.27.7 |",
                  "| torch, torchvision | 2.11.0, 0.26.0 |",
                  "| spotring | 0.1.0 from /cache/k, commit abc1234; bundle gpu-bundle "
                  "(17 wheels) |",
-                 "| mnist 1 | failed | 1 of 3 seeds did not | 61.5 |",
-                 "| parity | skipped | needs 2 cuda devices | 0 |",
-                 "    1 of 3 seeds did not", "    reach 99%",
-                 "    torchrun --standalone -m spotring.trainer"]:
+                 "| test_parity | failed | assert 2e-05 <= 1e-10 | 61.5 |",
+                 "| allreduce | skipped | needs 2 cuda devices | 0 |",
+                 "| fsdp | passed | 124M parameters / bf16 | 20 |",  # a cell's | is not a column
+                 "    E   assert 2e-05 <= 1e-10", "    E   where ...",
+                 "    torchrun -m spotring.benchmarks.fsdp_ranks"]:
         assert line in lines
+    tests, figures = lines.index("## Tests (tests/test_gpu.py)"), lines.index("## Figures")
+    assert tests < lines.index("| test_parity | failed | assert 2e-05 <= 1e-10 | 61.5 |") \
+        < figures < lines.index("| allreduce | skipped | needs 2 cuda devices | 0 |")
 
 
 def make_wheel(path: Path, files: dict[str, bytes]) -> Path:
@@ -245,28 +259,28 @@ def make_wheel(path: Path, files: dict[str, bytes]) -> Path:
     return path
 
 
-@pytest.mark.parametrize("wheels, said", [
-    ([], "empty: no wheels there; `make gpu-bundle` makes them"),
-    (["tiny-1.0-py3-none-any.whl"], "empty: no wheel of spotring there; `make gpu-bundle` "
-                                    "makes the bundle with it"),
-])
-def test_a_bundle_that_cannot_serve_is_named_with_what_makes_it(tmp_path, wheels, said):
+def test_a_bundle_that_cannot_serve_is_named_with_what_makes_it(tmp_path, capsys, kit_start):
     (tmp_path / "empty").mkdir()
-    for name in wheels:
-        make_wheel(tmp_path / "empty" / name, {"tiny/__init__.py": b""})
+    # tools/gpu-check itself, once: the standard library alone refuses, nothing imports torch.
     proc = subprocess.run([str(KIT), str(tmp_path / "out"), "--device", "cpu",
                            "--bundle", str(tmp_path / "empty")], cwd=REPO,
                           env={**os.environ, "PYTHON": sys.executable}, capture_output=True,
                           text=True, timeout=60)
-    assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert "empty: no wheels there; `make gpu-bundle` makes them" in proc.stderr
+    make_wheel(tmp_path / "empty" / "tiny-1.0-py3-none-any.whl", {"tiny/__init__.py": b""})
+    assert kit_start.main([str(REPO / "tools" / "gpu_check.py"), str(tmp_path / "out"),
+                           "--bundle", str(tmp_path / "empty")]) == 2
+    assert ("empty: no wheel of spotring there; `make gpu-bundle` makes the bundle with it"
+            in capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
 
 
 def test_without_spotring_and_without_a_bundle_the_kit_names_the_bundle(tmp_path):
     # python -S: this Python's site-packages, where spotring is installed, are not read.
     proc = subprocess.run([sys.executable, "-S", str(REPO / "tools" / "run_bundled.py"),
-                           "spotring.benchmarks.gpu_check", str(tmp_path / "out")], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+                           str(REPO / "tools" / "gpu_check.py"), str(tmp_path / "out")],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert f"spotring is not installed for {sys.executable}: give --bundle DIR" in proc.stderr
 
@@ -328,11 +342,11 @@ def test_a_bundle_of_other_code_than_the_checkouts_is_refused_naming_the_files(t
         "trainer/loop.py (changed)"]
 
 
-def link_torch_alone(dest: Path) -> None:
-    """dest/: links to torch, torchvision and what their metadata requires here, and to
-    nothing else of this environment."""
+def link_alone(dest: Path, *names: str) -> None:
+    """dest/: links to the distributions ``names`` and what their metadata requires here,
+    and to nothing else of this environment."""
     dest.mkdir()
-    seen, todo = set(), ["torch", "torchvision"]
+    seen, todo = set(), list(names)
     while todo:
         dist = metadata.distribution(todo.pop())
         if dist.name in seen:
@@ -348,9 +362,9 @@ def link_torch_alone(dest: Path) -> None:
 
 
 def python_with_torch_alone(tmp_path: Path) -> Path:
-    """The python of a new virtual environment that has torch and torchvision and nothing
-    else: the GPU machine's Python, which has torch but not spotring."""
-    link_torch_alone(tmp_path / "torch")
+    """The python of a new virtual environment that has torch, torchvision and pytest and
+    nothing else: the GPU machine's Python, which has those but not spotring."""
+    link_alone(tmp_path / "torch", "torch", "torchvision", "pytest")
     venv.create(tmp_path / "venv", with_pip=False)
     python = tmp_path / "venv" / "bin" / "python"
     purelib = subprocess.run([str(python), "-c", "import sysconfig; "
@@ -364,6 +378,7 @@ def python_with_torch_alone(tmp_path: Path) -> Path:
 def test_the_bundle_is_all_the_kit_and_the_trainer_need_beside_torch(tmp_path, kit_start):
     # The bundle for this Python (the bundle proper is for the GPU machine's 3.12): the
     # list's wheels from the package index, and spotring's own.
+    gpu_bundle = tool("gpu_bundle")
     wheels = gpu_bundle.make(tmp_path / "bundle", python=())
     assert len(wheels) == len(gpu_bundle.requirements()) + 1
     assert any(w.name.startswith("spotring-") for w in wheels)
@@ -371,7 +386,7 @@ def test_the_bundle_is_all_the_kit_and_the_trainer_need_beside_torch(tmp_path, k
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path),
            "XDG_CACHE_HOME": str(tmp_path / "cache")}
     # The kit, started there from this checkout: it installs the bundle and gets as far as
-    # its results (a budget that runs out at once: no check starts).
+    # its results (a budget that runs out at once: no check starts; its budget stops it).
     kit = subprocess.run([str(KIT), str(tmp_path / "out"), "--device", "cpu", "--bundle",
                           str(tmp_path / "bundle"), "--budget", "0.001"], cwd=REPO,
                          env={**env, "PYTHON": str(python)}, capture_output=True, text=True,
@@ -381,6 +396,7 @@ def test_the_bundle_is_all_the_kit_and_the_trainer_need_beside_torch(tmp_path, k
     results, checks, _ = results_of(tmp_path / "out")
     assert results["spotring"] == f"{metadata.version('spotring')} from {site}"
     assert {c["status"] for c in checks.values()} == {"skipped"}
+    assert checks["tests"]["summary"].startswith("not started: the kit's time budget ran out")
 
     # The trainer from the bundle alone, away from the checkout.
     env |= {"PYTHONPATH": str(site), "PYTHONSAFEPATH": "1"}

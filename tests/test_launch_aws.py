@@ -1,10 +1,12 @@
 """cluster=aws_spot against a moto server: what `up` creates, that `down` (and every
 failure) leaves nothing with the run's tag, capacity fallback, bad input, cost.
 
-The command-line tests run `python -m spotring.launch` as users do, against moto through
-AWS_ENDPOINT_URL. The provider tests call the provider in this process, where
-MotoGaps (botocore's Stubber) answers what moto lacks: placement groups, running out
-of capacity, failing a call (tests/aws.py)."""
+The command-line tests run the launcher's main (`spotring up|status|cost|down|launch`) in
+this process (tests/commands.py), against moto through AWS_ENDPOINT_URL; as users type
+it, in a process of their own, run `make launch DRY_RUN=1`, a launch stopped by Ctrl-C and
+a command that exits 2. The provider tests call the provider in this process, where
+MotoGaps (botocore's Stubber) answers what moto lacks: placement groups, running out of
+capacity, failing a call (tests/aws.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import urllib3
@@ -22,12 +23,15 @@ from botocore.awsrequest import AWSResponse
 from botocore.exceptions import ClientError
 from omegaconf import OmegaConf
 
+from spotring.exits import EXIT_CONFIG
 from spotring.launch import config
+from spotring.launch.__main__ import main
 from spotring.launch.aws.provider import AwsSpot
 from spotring.launch.cost import usd
 from spotring.launch.provider import NoCapacity
 from spotring.launch.rundir import RunDir
 from spotring.launch.ssh import new_key
+from spotring.polling import poll
 from tests.aws import (
     AMI,
     MOTO_CLUSTER,
@@ -42,6 +46,7 @@ from tests.aws import (
     tagged,
     without_aws,
 )
+from tests.commands import Done, call
 from tests.conftest import REPO
 from tests.launcher import launcher
 
@@ -76,16 +81,22 @@ def moto_env(aws: dict, tmp_path, **extra) -> dict[str, str]:
 
 
 @pytest.fixture
-def cli(aws, tmp_path):
-    """python -m spotring.launch against moto, with its runs under tmp_path/runs."""
-    def _cli(command: str, *overrides: str, expect: int | None = 0, **extra_env
-             ) -> subprocess.CompletedProcess:
-        # The test's overrides last: of two values for one key, Hydra takes the last.
-        proc = launcher(command, f"runs_dir={tmp_path / 'runs'}", *MOTO_CLUSTER, *overrides,
-                        env=moto_env(aws, tmp_path, **extra_env))
+def cli(aws, tmp_path, monkeypatch):
+    """`spotring COMMAND ...` against moto, its main in this process (tests/commands.py),
+    with the stand-in ssh first on PATH, ``extra_env`` set for the call, and its runs
+    under tmp_path/runs."""
+    monkeypatch.setenv("PATH", f"{stand_in_ssh(tmp_path / 'bin')}:{os.environ['PATH']}")
+
+    def _cli(command: str, *overrides: str, expect: int | None = 0, **extra_env: str) -> Done:
+        with pytest.MonkeyPatch.context() as env:
+            for key, value in extra_env.items():
+                env.setenv(key, value)
+            # The test's overrides last: of two values for one key, Hydra takes the last.
+            done = call(main, command, f"runs_dir={tmp_path / 'runs'}", *MOTO_CLUSTER,
+                        *overrides)
         if expect is not None:
-            assert proc.returncode == expect, proc.stdout + proc.stderr
-        return proc
+            assert done.code == expect, done.out + done.err
+        return done
     return _cli
 
 
@@ -97,11 +108,12 @@ def only_run(tmp_path) -> RunDir:
 # --------------------------------------------------------------------- the command line
 
 
+@pytest.mark.slow
 def test_up_status_cost_down(cli, tmp_path):
     up = cli("up", "nodes=2", "cluster.instance_types=[g5.12xlarge]",
              "cluster.instance_profile=spotring-nodes")
     run = only_run(tmp_path)
-    assert up.stdout.splitlines()[0] == f"spotring: run {run.id} in {run.path}"
+    assert up.out.splitlines()[0] == f"spotring: run {run.id} in {run.path}"
 
     # The nodes, and the files `up` writes from them (g5.12xlarge: 4 GPUs each).
     nodes = state(run.path)["nodes"]
@@ -111,7 +123,7 @@ def test_up_status_cost_down(cli, tmp_path):
     assert run.hosts_mpich.read_text() == "".join(f"{a}:4\n" for a in addresses)
     assert [line.split()[0] for line in run.known_hosts.read_text().splitlines()] == addresses
     assert run.key.stat().st_mode & 0o777 == 0o600
-    assert up.stdout.rstrip().endswith("exec horovodrun --gloo -np 8 --hostfile hosts "
+    assert up.out.rstrip().endswith("exec horovodrun --gloo -np 8 --hostfile hosts "
                                        "--start-timeout 120 spotring train'")
 
     # What moto holds: every kind tagged, the fleet as asked, SSH only from the caller.
@@ -148,23 +160,23 @@ def test_up_status_cost_down(cli, tmp_path):
     assert len(volumes) == 2
 
     status = cli("status")
-    assert status.stdout.count("running") == 2 and all(n["id"] in status.stdout for n in nodes)
+    assert status.out.count("running") == 2 and all(n["id"] in status.out for n in nodes)
 
     cost = cli("cost")
-    assert "g5.12xlarge" in cost.stdout and f"cost: run {run.id}: 2 nodes" in cost.stdout
+    assert "g5.12xlarge" in cost.out and f"cost: run {run.id}: 2 nodes" in cost.out
     other = cli("cost", "nodes=4", "cluster.instance_types=[g4dn.xlarge]")  # another cluster
-    assert "cost: 4 nodes" in other.stdout and "g4dn.xlarge" in other.stdout
-    now, _, bill = other.stdout.partition(f"cost: run {run.id}: 2 nodes")
+    assert "cost: 4 nodes" in other.out and "g4dn.xlarge" in other.out
+    now, _, bill = other.out.partition(f"cost: run {run.id}: 2 nodes")
     assert "g5.12xlarge" not in now and bill
 
     down = cli("down")
-    assert f"deleted fleet {fleet['FleetId']}" in down.stdout
-    assert all(f"terminated instance {n['id']}" in down.stdout for n in nodes)
+    assert f"deleted fleet {fleet['FleetId']}" in down.out
+    assert all(f"terminated instance {n['id']}" in down.out for n in nodes)
     for kind in ("launch template", "security group", "key pair"):
-        assert f"deleted {kind} " in down.stdout
+        assert f"deleted {kind} " in down.out
     assert tagged(run.id) == {}
     again = cli("down")
-    assert f"nothing of run {run.id} was left to delete" in again.stdout
+    assert f"nothing of run {run.id} was left to delete" in again.out
     assert "destroyed_at" in state(run.path)
 
 
@@ -187,7 +199,7 @@ def test_cost_of_a_run(cli, tmp_path):
     total = node_hours * price + volumes
     training = 0.5 * 2 * price  # half an hour on two nodes
 
-    out = cli("cost").stdout
+    out = cli("cost").out
     assert f"2 nodes, {node_hours:.4f} node-hours, {usd(total)}" in out
     assert f"training: 1800.0 s for 3.000 epochs on 2 workers: ${training:.3g}, " \
            f"${training / 3:.3g}/epoch; the whole run (start-up, restarts, idle): " \
@@ -198,16 +210,19 @@ def test_cost_of_a_run(cli, tmp_path):
 
 def test_launch_takes_everything_down_after_an_error(cli, tmp_path):
     # moto's instances cannot be reached, so `run` fails at its first ssh.
-    proc = cli("launch", "nodes=1", "cluster.instance_types=[c5.large]", expect=1)
+    done = cli("launch", "nodes=1", "cluster.instance_types=[c5.large]", expect=1)
     run = only_run(tmp_path)
-    assert "launch: failed: " in proc.stderr
-    assert "no machine behind this moto instance" in proc.stderr
-    assert f"down: done; nothing of run {run.id} is left" in proc.stdout
+    assert "launch: failed: " in done.err
+    assert "no machine behind this moto instance" in done.err
+    assert f"down: done; nothing of run {run.id} is left" in done.out
     assert tagged(run.id) == {}
 
 
+@pytest.mark.slow
 def test_launch_takes_everything_down_on_ctrl_c(aws, tmp_path):
-    env = moto_env(aws, tmp_path, STAND_IN_SSH_DELAY="60")  # the job "hangs" until Ctrl-C
+    # The job "hangs" until Ctrl-C, in the stand-in ssh, which says when it is there.
+    called = tmp_path / "ssh-called"
+    env = moto_env(aws, tmp_path, STAND_IN_SSH_DELAY="60", STAND_IN_SSH_CALLED=str(called))
     # A session of its own, as a shell gives a job: Ctrl-C goes to its process group.
     # And SIGINT's default action, as an interactive shell gives a foreground job, even
     # when pytest itself runs in the background (`&` ignores SIGINT, for its children too).
@@ -216,10 +231,10 @@ def test_launch_takes_everything_down_on_ctrl_c(aws, tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    for line in proc.stdout:
-        if line.startswith("up: `spotring run`"):  # up is done; run is copying
-            break
-    time.sleep(1)
+    # up is done, and run is copying the project to the nodes.
+    poll(lambda: called.exists() or proc.poll(), timeout_s=120, interval_s=0.05,
+         what="the stand-in ssh to be called")
+    assert proc.poll() is None, proc.communicate()
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     run = only_run(tmp_path)
@@ -228,12 +243,15 @@ def test_launch_takes_everything_down_on_ctrl_c(aws, tmp_path):
     assert tagged(run.id) == {}
 
 
+@pytest.mark.slow
 def test_dry_run_calls_no_api(tmp_path):
     # No credentials and no endpoint: any AWS call would fail.
+    home, runs = tmp_path / "home", tmp_path / "runs"
+    home.mkdir()
     proc = subprocess.run(["make", "--no-print-directory", "launch", "NODES=8", "DRY_RUN=1",
-                           f"LAUNCH_ARGS=runs_dir={tmp_path}", "ARGS=train.epochs=30"],
-                          cwd=REPO, env=without_aws(tmp_path), capture_output=True, text=True,
-                          timeout=120)
+                           f"LAUNCH_ARGS=runs_dir={runs}", "ARGS=train.epochs=30"],
+                          cwd=REPO, env=without_aws(home), capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "dry run of `launch`: nothing is created, no cloud API is called" in out
@@ -242,7 +260,7 @@ def test_dry_run_calls_no_api(tmp_path):
     assert ("horovodrun --gloo -np 8 --hostfile hosts --start-timeout 120 spotring "
             "train train.epochs=30") in out
     assert "down      delete everything" in out
-    assert list(tmp_path.iterdir()) == []  # no run dir either
+    assert not runs.exists()  # no run dir either
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -262,15 +280,22 @@ def _default_subnet(zone: str) -> str:
      "is in us-east-1a, not in cluster.zones=['us-east-1b']"),
     (["cluster.ami=ami-00000000000000000"], "cluster.ami=ami-00000000000000000: no such image"),
 ])
-def test_bad_input_fails_before_any_resource_exists(cli, tmp_path, overrides, message):
+def test_bad_input_fails_before_any_resource_exists(aws, tmp_path, overrides, message):
     overrides = [o.replace("<us-east-1a>", _default_subnet("us-east-1a")) for o in overrides]
-    proc = cli("up", "nodes=2", *overrides, expect=2)
-    assert message in proc.stderr and "Nothing was created" in proc.stderr
+    done = call(main, "up", f"runs_dir={tmp_path / 'runs'}", *MOTO_CLUSTER, "nodes=2",
+                *overrides)
+    assert done.code == EXIT_CONFIG, done
+    assert message in done.err and "Nothing was created" in done.err, done.err
     assert_nothing_in_moto(tmp_path)
 
 
-def test_no_credentials_fail_before_any_resource_exists(cli, tmp_path):
-    proc = cli("up", "nodes=2", expect=2, AWS_ACCESS_KEY_ID=None, AWS_SECRET_ACCESS_KEY=None)
+@pytest.mark.slow
+def test_no_credentials_fail_before_any_resource_exists(aws, tmp_path):
+    """The command as users type it, in a process of its own."""
+    proc = launcher("up", f"runs_dir={tmp_path / 'runs'}", *MOTO_CLUSTER, "nodes=2",
+                    env=moto_env(aws, tmp_path, AWS_ACCESS_KEY_ID=None,
+                                 AWS_SECRET_ACCESS_KEY=None))
+    assert proc.returncode == EXIT_CONFIG, proc.stdout + proc.stderr
     assert "no AWS credentials: set AWS_PROFILE" in proc.stderr
     assert_nothing_in_moto(tmp_path)
 
@@ -458,23 +483,25 @@ def test_up_failing_at_the_placement_group_deletes_the_rest(cli, tmp_path):
     and the look-up alike. `up` fails there, and the teardown after it must still delete
     the key pair and the security group made before, and then name what it could not
     look up, with the command that tries again, after why `up` failed."""
-    proc = cli("up", "nodes=1", "cluster.placement_group=true", expect=1,
+    done = cli("up", "nodes=1", "cluster.placement_group=true", expect=1,
                AWS_MAX_ATTEMPTS="2")
     run = only_run(tmp_path)
-    why, left = proc.stderr.split(f"\npython -m spotring.launch up: run {run.id}: ")
-    assert why.startswith("python -m spotring.launch up: failed: ") and "500 Internal Server" in why
+    # From the launcher's first line on: moto's server, in this process, logs the 500s.
+    err = done.err[done.err.index("spotring up: failed: "):]
+    why, left = err.split(f"\nspotring up: run {run.id}: ")
+    assert why.startswith("spotring up: failed: ") and "500 Internal Server" in why
     lines = left.splitlines()
     assert lines[:3] == ["still there after every deletion was tried:",
                          "  - placement groups: unknown (their look-up failed)", "  because:"]
     assert lines[3].startswith("  - describe placement groups: ") and "500 Internal" in lines[3]
     assert lines[4].startswith("  - describe placement groups again: ")
     assert lines[5:] == [f"  `spotring down run_id={run.id}` tries again"]
-    assert "deleted security group" in proc.stdout and "deleted key pair" in proc.stdout
+    assert "deleted security group" in done.out and "deleted key pair" in done.out
     assert tagged(run.id) == {}
     # `down` cannot look them up either: it says so, and exits 1, every time.
     again = cli("down", expect=1, AWS_MAX_ATTEMPTS="1")
-    assert again.stderr.startswith(f"python -m spotring.launch down: failed: run {run.id}: still "
-                                   "there after every deletion was tried:\n  - placement groups: ")
+    assert f"spotring down: failed: run {run.id}: still there after every deletion was " \
+        "tried:\n  - placement groups: " in again.err
     assert "destroyed_at" not in state(run.path)
 
 

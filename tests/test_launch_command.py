@@ -1,35 +1,59 @@
 """A user's own command on the local cluster, launched as a pip user does: spotring from
 an installed wheel, run in a directory that holds only the user's project (train.py,
-requirements.txt), never the spotring checkout.
+requirements.txt), never the spotring checkout. Two runs of the cluster, each run once
+and read by several tests:
 
-    spotring launch cluster=local nodes=2 -- python train.py ...     a spot notice on node
-        1 has the launcher replace it; the job resumes with the same samples and ends
-        with the weights of an uninterrupted run; the replacement's environment is node
-        0's, copied
-    spotring up, then `spotring run` under torchrun, mpirun and none, and a failing
-        command, on the same two nodes; then `spotring down`
+    recovered    `spotring launch cluster=local nodes=2 -- python train.py ...` with
+                 one node to spare in the pool: a spot notice on node 1 has the launcher
+                 replace it (node 0's environment copied to the replacement); then the
+                 replacement vanishes, none is left to replace it, and the job goes on
+                 on node 0 alone with the same global batch. It ends with the weights of
+                 one worker uninterrupted, and its ledger bills each node.
+    brought_up   `spotring up cluster=local nodes=2`, then on its nodes `spotring run`
+                 under torchrun, with no launcher, a command that fails, a sweep of two
+                 trials at once, and under mpirun; then `spotring down`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import signal
 import subprocess
+import time
 import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from spotring.exits import EXIT_CONFIG
+from spotring.launch.__main__ import main
 from spotring.launch.local import netns
 from spotring.launch.rundir import RunDir
 from tests import user_script
+from tests.commands import call
+from tests.conftest import exclusive
 from tests.installed import spotring_venv
-from tests.launcher import Followed, leftovers, netns_unavailable, notice_node_1, processes
+from tests.launcher import (
+    Followed,
+    checkpoints_on_node_0,
+    launch_with_spares,
+    leftovers,
+    netns_unavailable,
+    notice_node_1,
+    processes,
+    steps_on_node_0,
+)
+from tests.schedule import Schedule
+from tests.sweeps import side_by_side, trial_dir
 
 WHY_NOT = netns_unavailable()
-STEPS = ["--steps", "48", "--batch", "8", "--save-every", "8"]
+# The script's run: a global batch of 2, on 2 workers or 1, and 30 steps of the 32 of
+# its first epoch (64 samples), so that no stop or checkpoint falls on an epoch's end.
+STEPS = ["--steps", "30", "--batch", "2", "--save-every", "4"]
 # A dependency of the project's own, installed on the nodes from requirements.txt.
 TINYDEP = "tinydep-1.0-py3-none-any.whl"
 
@@ -37,6 +61,12 @@ TINYDEP = "tinydep-1.0-py3-none-any.whl"
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> Path:
     return spotring_venv(tmp_path_factory.mktemp("pip") / "venv")
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory) -> dict:
+    """summary.json of the script run alone, uninterrupted, on one worker."""
+    return user_script.reference(tmp_path_factory.mktemp("alone"), *STEPS)
 
 
 def project(root: Path) -> Path:
@@ -54,67 +84,69 @@ def project(root: Path) -> Path:
     return root
 
 
-def spotring(venv: Path, cwd: Path, *args: str, **kwargs) -> subprocess.Popen:
-    """The installed `spotring` command, as a user types it in ``cwd``; nothing of the
-    checkout on its path."""
+def installed(venv: Path) -> dict[str, str]:
+    """The environment of a user of the installed `spotring`: nothing of the checkout on
+    its path."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env["PATH"] = f"{venv / 'bin'}:{env['PATH']}"
-    return subprocess.Popen([str(venv / "bin" / "spotring"), *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            **kwargs)
+    return env | {"PATH": f"{venv / 'bin'}:{env['PATH']}"}
 
 
-def test_bad_input_exits_2_before_any_node(tmp_path):
+def spotring(venv: Path, cwd: Path, *args: str) -> tuple[int, str]:
+    """The installed `spotring` command run to its end as a user types it in ``cwd``: its
+    exit code and its output (stdout and stderr together)."""
+    proc = subprocess.run([str(venv / "bin" / "spotring"), *args], cwd=cwd, env=installed(venv),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=400)
+    return proc.returncode, proc.stdout
+
+
+def test_bad_input_exits_2_before_any_node(tmp_path, monkeypatch):
     """Checked in-process: the same code path, no cluster needed (not even root)."""
-    from spotring.launch.__main__ import main
-
-    root = user_script.write_project(tmp_path / "p")
+    monkeypatch.chdir(user_script.write_project(tmp_path / "p"))
+    runs = tmp_path / "runs"
     cases = {
         "job.max_project_mb=0.001": ("train.py", "MB", ".spotringignore"),
         "-- python missing.py": ("missing.py", "no such file"),
     }
     for words, said in cases.items():
         before = set(tmp_path.iterdir())
-        out = _main_in(root, main, ["launch", "cluster=local", "nodes=2",
-                                    f"runs_dir={tmp_path / 'runs'}",
-                                    *words.split(), *(["--", "python", "train.py"]
-                                                      if "--" not in words else [])])
-        code, text = out
-        assert code == EXIT_CONFIG, text
-        assert all(s in text for s in said), text
+        command = [] if "--" in words else ["--", "python", "train.py"]
+        done = call(main, "launch", "cluster=local", "nodes=2", f"runs_dir={runs}",
+                    *words.split(), *command)
+        assert done.code == EXIT_CONFIG, done
+        assert all(s in done.out + done.err for s in said), done
         assert set(tmp_path.iterdir()) == before  # no run directory: nothing was made
-    (root / "requirements.txt").write_text("torch>>=2\n")
-    code, text = _main_in(root, main, ["up", "cluster=local", f"runs_dir={tmp_path / 'runs'}",
-                                       "--", "python", "train.py"])
-    assert code == EXIT_CONFIG and "requirements.txt" in text and "line 1" in text, text
+    Path("requirements.txt").write_text("torch>>=2\n")
+    done = call(main, "up", "cluster=local", f"runs_dir={runs}", "--", "python", "train.py")
+    assert done.code == EXIT_CONFIG and "requirements.txt" in done.err and "line 1" in done.err, \
+        done
 
 
-def _main_in(cwd: Path, main, argv: list[str]) -> tuple[int, str]:
-    """launch's main in ``cwd``, with what it printed."""
-    import contextlib
-    import io
-
-    here, out = Path.cwd(), io.StringIO()
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            code = main(argv)
-    finally:
-        os.chdir(here)
-    return code, out.getvalue()
+def launch(venv: Path, root: Path, runs: Path, *overrides: str, spares: int | None = None,
+           script: tuple[str, ...] = ()) -> Followed:
+    """`spotring launch cluster=local nodes=2 ... -- python train.py ... SCRIPT` from
+    ``root``, a step every 0.25 s; with ``spares``, a pool of that many nodes beyond the
+    first 2 (tests/launcher.py)."""
+    args = ["launch", "cluster=local", "nodes=2", "cluster.notice_poll_s=1",
+            f"runs_dir={runs}", *overrides, "--", "python", "train.py", *STEPS,
+            "--sleep", "0.25", *script]
+    if spares is None:
+        proc = subprocess.Popen([str(venv / "bin" / "spotring"), *args], cwd=root,
+                                env=installed(venv), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    else:
+        proc = launch_with_spares(spares, *args, python=str(venv / "bin" / "python"), cwd=root,
+                                  env=installed(venv))
+    return Followed(proc, timeout_s=900)
 
 
 def launch_with_a_notice(venv: Path, root: Path, runs: Path, *overrides: str
                          ) -> tuple[int, str, RunDir, float]:
-    """`spotring launch cluster=local nodes=2 -- python train.py ...` from ``root``, with a
-    spot notice for node 1 once training runs, which stays up (as EC2's does until it
-    takes the node): the launcher takes node 1 down and replaces it. Returns the exit
-    code, the output, the run and when the notice came (also for
-    benchmarks/results/recovery-local/measure.py)."""
-    proc = spotring(venv, root, "launch", "cluster=local", "nodes=2",
-                    "cluster.max_preemptions=1", "cluster.notice_poll_s=1", f"runs_dir={runs}",
-                    *overrides, "--", "python", "train.py", *STEPS, "--sleep", "0.25")
-    followed = Followed(proc)
+    """A launch of 2 nodes with a spot notice for node 1 once training runs, which stays
+    up: the launcher replaces node 1 and the job resumes. Returns the exit code, the
+    output, the run and when the notice came (benchmarks/results/recovery-local/
+    measure.py)."""
+    followed = launch(venv, root, runs, "cluster.max_preemptions=1", *overrides)
     run, _, noticed, metadata = notice_node_1(followed, trained=1)
     try:
         code, out = followed.end()
@@ -123,84 +155,288 @@ def launch_with_a_notice(venv: Path, root: Path, runs: Path, *overrides: str
     return code, out, run, noticed
 
 
+PRICE, ON_DEMAND = 0.25, 1.006  # $/hour of a node, and on demand: the ledger's rehearsal
+
+
+@dataclass
+class Recovered:
+    """What the schedule of ``recovered`` saw."""
+
+    code: int
+    out: str
+    run: RunDir
+    names: netns.Names
+    noticed_at: float  # when node 1's notice came
+    vanished_at: float  # when its replacement vanished
+    reached: int  # the last step node 0 logged before the job stopped for it
+
+
+@pytest.fixture(scope="module")
+def recovered(venv, tmp_path_factory) -> Recovered:
+    """2 nodes of 1 slot; a notice on node 1 once the job trains; its replacement
+    (node 2, the one spare) killed whole once a periodic checkpoint followed the resume;
+    then no node left to replace it, and cluster.min_nodes=1."""
+    tmp = tmp_path_factory.mktemp("recovered")
+    with exclusive():
+        followed = launch(venv, project(tmp / "project"), tmp / "runs",
+                          "cluster.min_nodes=1", "cluster.max_preemptions=1",
+                          "cluster.max_restarts=1", f"cluster.price={PRICE}",
+                          f"+cluster.on_demand_prices={{netns: {ON_DEMAND}}}", spares=1,
+                          script=("--poll-seconds", "1"))  # the notice seen within a second
+        schedule = Schedule("the launch of train.py on 2 nodes", lambda: followed.text)
+        try:
+            with schedule.step("a spot notice on node 1, which stays up"):
+                run, names, noticed_at, metadata = notice_node_1(followed, trained=1)
+            try:
+                with schedule.step("node 1 replaced, and the job back at work"):
+                    followed.wait_for(lambda: names.ns(2) in netns.namespaces(names.ns_prefix))
+                    followed.wait_for(lambda: resumes(followed.text) != [])
+                    back = resumes(followed.text)[0]
+                    followed.wait_for(lambda: any(s > back for s in checkpoints_on_node_0(run)))
+            finally:
+                metadata.close()
+            with schedule.step("the replacement vanishes: every process of it killed at once"):
+                vanished_at = time.time()
+                netns.delete_namespace(names.ns(2), stops=((signal.SIGKILL, 5.0),))
+                followed.wait_for(lambda: followed.text.count("run: the job exited with code") == 2)
+                reached = steps_on_node_0(run)  # rank 0 took no step without its peers
+            with schedule.step("the job on node 0 alone, to its end"):
+                code, out = followed.end()
+        finally:
+            if followed.proc.poll() is None:  # a step failed: the launcher takes it all down
+                followed.proc.terminate()
+                followed.proc.wait(timeout=120)
+    return Recovered(code, out, run, names, noticed_at, vanished_at, reached)
+
+
+def resumes(out: str) -> list[int]:
+    return [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", out)]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
-def test_a_users_script_survives_a_spot_notice_from_a_pip_install(venv, tmp_path):
-    reference = user_script.reference(tmp_path / "ref", *STEPS)
-    code, out, run, _ = launch_with_a_notice(venv, project(tmp_path / "project"),
-                                             tmp_path / "runs")
-    assert code == 0, out[-6000:]
-    names = netns.Names(run.id)
+def test_a_notice_and_a_lost_node_each_restart_the_job_which_ends_as_one_worker_would(
+        recovered, alone):
+    r = recovered
+    assert r.code == 0, r.out[-6000:]
+    summary = json.loads((r.run.job / "summary.json").read_text())
+    assert (summary["world_size"], summary["global_batch"], summary["steps"]) == (1, 2, 30)
+    assert summary["weights"] == pytest.approx(alone["weights"], rel=1e-10)
+    assert ("recover: the run spent 1 of 1 preemptions (cluster.max_preemptions), 1 of 1 "
+            "failures (cluster.max_restarts)") in r.out
+    assert leftovers(r.run.id) == [] and processes(r.run.id) == []
 
-    # The project went over and the job's results came back; the same weights as one
-    # worker uninterrupted, in float64.
-    summary = json.loads((run.job / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == 48
-    assert summary["weights"] == pytest.approx(reference["weights"], rel=1e-10)
-    resumed = [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", out)]
-    assert len(resumed) == 1 and 0 < resumed[0] < 48
 
-    # The environment: built on both nodes at first (tinydep from the project's
-    # requirements), then node 0's kept and copied to the replacement, which ran no pip.
-    env = re.findall(r"run: node (\d) \((\S+)\): environment (\w+) (.*)", out)
-    first, second = env[:2], env[2:]
-    assert [how.split(" in ")[0] for _, _, _, how in first] == ["built", "built"]
-    assert [(i, ns) for i, ns, _, _ in second] == [("0", names.ns(0)), ("1", names.ns(2))]
-    assert second[0][3] == "ready" and second[1][3].startswith(f"copied from {names.ns(0)} in ")
+@pytest.mark.slow
+@pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+def test_a_node_under_notice_is_replaced_and_the_job_resumes_at_the_notices_step(recovered):
+    r, names = recovered, recovered.names
+    # Node 1's rank saw the notice, every rank stopped at its step; the launcher saw the
+    # notice still up and took the node down rather than resume on it.
+    noticed = re.search(r"\[1\]<stderr>:spotring: preempted \(EC2 spot terminate notice for "
+                        r"\S+\) at step (\d+)", r.out)
+    assert noticed, r.out[-6000:]
+    assert f"recover: node {names.ns(1)} announces a spot interruption notice" in r.out
+    assert resumes(r.out)[0] == int(noticed[1])  # the notice's checkpoint: no step lost
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+def test_the_replacement_gets_a_copy_of_node_0s_environment(recovered):
+    """Built on every node at first (tinydep from the project's requirements), then
+    node 0's kept and copied to the replacement, which runs no pip."""
+    r, names = recovered, recovered.names
+    env = re.findall(r"run: node (\d) \((\S+)\): environment (\w+) (.*)", r.out)
+    assert [how.split(" in ")[0] for _, _, _, how in env[:2]] == ["built"] * 2, env
+    assert [(i, ns) for i, ns, _, _ in env[2:4]] == [("0", names.ns(0)), ("1", names.ns(2))]
+    assert env[2][3] == "ready" and env[3][3].startswith(f"copied from {names.ns(0)} in "), env
     assert len({key for _, _, key, _ in env}) == 1
-    built = (run.path / f"setup-{names.ns(0)}.log").read_text()
-    assert "Successfully installed tinydep-1.0" in built
-    copied = (run.path / f"setup-{names.ns(2)}.log").read_text()
+    assert "Successfully installed tinydep-1.0" in (
+        r.run.path / f"setup-{names.ns(0)}.log").read_text()
+    copied = (r.run.path / f"setup-{names.ns(2)}.log").read_text()
     assert not re.search(r"Collecting|Downloading|Building|Installing", copied), copied
 
-    # The ledger names the preemption and the node it took; nothing is left.
-    ledger = json.loads(run.ledger.read_text())
-    (restart,) = ledger["restarts"]
-    assert (restart["cause"], restart["exit"], restart["lost_nodes"]) == (
-        "preemption", 75, [names.ns(1)])
-    assert restart["resumed_from"] == resumed[0] and restart["steps_redone"] == 0
-    assert leftovers(run.id) == [] and processes(run.id) == []
+
+@pytest.mark.slow
+@pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+def test_with_no_replacement_to_be_had_the_survivors_go_on_from_a_periodic_checkpoint(
+        recovered):
+    r, names = recovered, recovered.names
+    assert ("recover: the job runs on 2 nodes, 2 workers; with no replacement to be had it "
+            "can go on with 1 nodes (cluster.min_nodes=1)") in r.out
+    assert "going on with 1 node(s), 1 workers (cluster.min_nodes=1)" in r.out, r.out[-6000:]
+    assert [n.id for n in r.run.nodes()] == [names.ns(0)]
+    first, second = resumes(r.out)
+    assert first < second <= r.reached < 30  # the steps since that checkpoint, lost
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
-def test_every_launcher_runs_the_command_on_the_nodes_up_brought_up(venv, tmp_path):
-    reference = user_script.reference(tmp_path / "ref", *STEPS)
-    root = project(tmp_path / "project")
+def test_the_ledger_bills_each_node_for_its_own_seconds_and_names_each_restart(recovered):
+    """Each node's times as the provider gave them and as it left the run, billed by the
+    second (60 s at least) at the price it was launched at."""
+    r, names = recovered, recovered.names
+    ledger = json.loads(r.run.ledger.read_text())
+    state = r.run.state()
+    provided = {n["id"]: n for n in state["retired"] + state["nodes"]}
+    assert [n["id"] for n in ledger["nodes"]] == [names.ns(i) for i in (1, 2, 0)]
+    launched = {n["id"]: n["launched_at"] for n in ledger["nodes"]}
+    assert launched[names.ns(0)] < launched[names.ns(1)] < r.noticed_at \
+        < launched[names.ns(2)] < r.vanished_at
+    ends = {names.ns(0): state["destroyed_at"]}
+    for lost, after, before in ((names.ns(1), r.noticed_at, launched[names.ns(2)]),
+                                (names.ns(2), r.vanished_at, state["destroyed_at"])):
+        ends[lost] = next(n["left_at"] for n in state["retired"] if n["id"] == lost)
+        assert after < ends[lost] < before  # found lost, before it was replaced or the end
+    for n in ledger["nodes"]:
+        assert n["launched_at"] == provided[n["id"]]["launched_at"]
+        assert n["terminated_at"] == ends[n["id"]]
+        seconds = max(60, math.ceil(ends[n["id"]] - n["launched_at"]))  # whole seconds
+        assert n["usd"] == pytest.approx(PRICE * seconds / 3600, rel=1e-9)
+    total = sum(PRICE * max(60, math.ceil(ends[i] - launched[i])) / 3600 for i in ends)
+    assert ledger["totals"]["usd"] == pytest.approx(total, rel=1e-9)
+    assert ledger["totals"]["on_demand_usd"] == pytest.approx(total * ON_DEMAND / PRICE)
+    assert ledger["totals"]["usd_per_1000_steps"] == pytest.approx(total / 30 * 1000)
+
+    preemption, failure = ledger["restarts"]
+    first, second = resumes(r.out)
+    assert (preemption["cause"], preemption["exit"], preemption["lost_nodes"]) == (
+        "preemption", 75, [names.ns(1)])
+    assert (preemption["step"], preemption["resumed_from"], preemption["steps_redone"]) == (
+        first, first, 0)
+    assert r.noticed_at <= preemption["noticed_at"] <= preemption["saved_at"]
+    # No wait for the node to leave `running` (cluster.notice_wait_s, 150 s): its notice
+    # was enough; the wait is the replacement's making.
+    assert preemption["waited_s"] < 60
+    assert (failure["cause"], failure["lost_nodes"]) == ("failure", [names.ns(2)])
+    assert failure["exit"] not in (0, 75) and failure["noticed_at"] is None
+    assert (failure["step"], failure["steps_redone"]) == (r.reached, r.reached - second)
+    assert f"cost: ledger ({r.run.ledger}, times UTC):" in r.out
+
+
+@dataclass
+class BroughtUp:
+    """What the schedule of ``brought_up`` saw: each step's exit code and output, and
+    what each run left in the run's job/ (it brings its results back there, over the
+    last run's)."""
+
+    run: RunDir
+    said: dict[str, tuple[int, str]] = field(default_factory=dict)
+    summaries: dict[str, dict] = field(default_factory=dict)
+    node_1_log: str = ""  # the run with no launcher: node 1's output
+    result: str = ""  # and the file its command made on node 0
+    sweep_dir: Path | None = None
+
+
+LAUNCHERS = {"torchrun": "torchrun", "mpirun": "mpi"}  # and what the job sees (runtime)
+
+
+@pytest.fixture(scope="module")
+def brought_up(venv, tmp_path_factory) -> BroughtUp:
+    """The runs with no launcher and the sweep's (torchrun) need the environment the
+    first run built; mpirun's (with Horovod's extras) another: it runs last."""
+    tmp = tmp_path_factory.mktemp("up")
+    root = project(tmp / "project")
     (root / "plain.py").write_text(user_script.PLAIN)
-    runs = tmp_path / "runs"
+    runs = tmp / "runs"
 
-    def spot(subcommand: str, *args: str) -> tuple[int, str]:
-        proc = spotring(venv, root, subcommand, f"runs_dir={runs}", *args)
-        out, _ = proc.communicate(timeout=400)
-        return proc.returncode, out
+    def spot(step: str, *args: str) -> None:
+        code, out = spotring(venv, root, *args)
+        up.said[step] = (code, out)
+        assert step in ("fails", "down") or code == 0, out
 
-    code, out = spot("up", "cluster=local", "nodes=2")
-    assert code == 0, out
-    run = RunDir.find(runs, None)
-    try:
-        # What each launcher looks like from the inside (spotring.runtime).
-        for launcher, seen in {"torchrun": "torchrun", "mpirun": "mpi"}.items():
-            code, out = spot("run", f"job.launcher={launcher}", f"job.results=runs/{launcher}",
-                             "--", "python", "train.py", *STEPS)
-            assert code == 0, out
-            summary = json.loads((run.job / "summary.json").read_text())
-            assert (summary["world_size"], summary["launcher"]) == (2, seen)
-            assert summary["weights"] == pytest.approx(reference["weights"], rel=1e-10)
-        # No launcher: once per node, with its rank; the node's results come back.
-        code, out = spot("run", "job.launcher=none", "job.results=out", "--", "python",
-                         "plain.py", "hi")
+    with exclusive():
+        code, out = spotring(venv, root, "up", f"runs_dir={runs}", "cluster=local", "nodes=2")
         assert code == 0, out
-        assert "hello from node-0: hi" in out
-        assert "hello from node-1: hi" in (run.path / "job-node-1.log").read_text()
-        assert (run.job / "result.txt").read_text() == "made on the node\n"
-        # A failing command: its exit code, and its last lines in the launcher's words.
-        code, out = spot("run", "job.launcher=none", "--", "python", "-c",
-                         "import sys; print('the last words'); sys.exit(3)")
-        assert code == 3, out
-        assert re.search(r"the job exited with code 3 \(failed\); its last lines on node 0:"
-                         r"\n(  .*\n)*  the last words", out), out
-    finally:
-        code, out = spot("down")
-    assert code == 0 and leftovers(run.id) == [] and processes(run.id) == [], out
+        up = BroughtUp(RunDir.find(runs, None))
+        schedule = Schedule(f"the nodes of run {up.run.id}",
+                            lambda: "\n".join(out for _, out in up.said.values()))
+        try:
+            with schedule.step("run under torchrun"):
+                spot("torchrun", "run", f"runs_dir={runs}", "job.launcher=torchrun",
+                     "job.results=runs/torchrun", "--", "python", "train.py", *STEPS)
+                up.summaries["torchrun"] = json.loads((up.run.job / "summary.json").read_text())
+            with schedule.step("run with no launcher: once per node"):
+                spot("none", "run", f"runs_dir={runs}", "job.launcher=none", "job.results=out",
+                     "--", "python", "plain.py", "hi")
+                up.node_1_log = (up.run.path / "job-node-1.log").read_text()
+                up.result = (up.run.job / "result.txt").read_text()
+            with schedule.step("run a command that fails"):
+                spot("fails", "run", f"runs_dir={runs}", "job.launcher=none", "--", "python",
+                     "-c", "import sys; print('the last words'); sys.exit(3)")
+            with schedule.step("a sweep of 2 trials, one on each node"):
+                up.sweep_dir = tmp / "sweep"
+                spot("sweep", "sweep", f"sweep.dir={up.sweep_dir}", "sweep=custom",
+                     "sweep.name=on_cluster", f"sweep.cluster={up.run.id}",
+                     f"sweep.runs_dir={runs}", "sweep.parallel=2", "sweep.trials=2",
+                     "sweep.params.lr=choice(0.05,0.1)", "sweep.objectives=[test_loss]", "--",
+                     "python", "train.py", "--steps", "8", "--lr", "{lr}")
+            with schedule.step("run under mpirun"):
+                spot("mpirun", "run", f"runs_dir={runs}", "job.launcher=mpirun",
+                     "job.results=runs/mpirun", "--", "python", "train.py", *STEPS)
+                up.summaries["mpirun"] = json.loads((up.run.job / "summary.json").read_text())
+        finally:
+            spot("down", "down", f"runs_dir={runs}")
+    return up
 
+
+@pytest.mark.slow
+@pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_launcher_runs_the_command_on_the_nodes_up_brought_up(brought_up, alone, launcher):
+    # What the launcher looks like from the inside (spotring.runtime), and one worker's
+    # weights from the two.
+    summary = brought_up.summaries[launcher]
+    assert (summary["world_size"], summary["launcher"]) == (2, LAUNCHERS[launcher])
+    assert summary["weights"] == pytest.approx(alone["weights"], rel=1e-10)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+def test_with_no_launcher_the_command_runs_once_per_node_and_node_0s_results_come_back(
+        brought_up):
+    assert "hello from node-0: hi" in brought_up.said["none"][1]
+    assert "hello from node-1: hi" in brought_up.node_1_log
+    assert brought_up.result == "made on the node\n"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+def test_a_failing_command_exits_with_its_code_and_its_last_lines(brought_up):
+    code, out = brought_up.said["fails"]
+    assert code == 3, out
+    assert re.search(r"the job exited with code 3 \(failed\); its last lines on node 0:"
+                     r"\n(  .*\n)*  the last words", out), out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+def test_a_sweep_runs_one_trial_on_each_node_at_the_same_time(brought_up):
+    """Each trial on a node of its own: named so by the sweep, its run directory in that
+    node's workdir alone, written by a process whose hostname is that node's; the
+    results back in the sweep directory; the two trials' processes side by side."""
+    up, sweep_dir = brought_up, brought_up.sweep_dir
+    out = up.said["sweep"][1]
+    addresses = [n.address for n in up.run.nodes()]
+    started = dict(re.findall(r"^sweep: trial (\d) starts on nodes (\S+):", out, re.M))
+    assert sorted(started) == ["0", "1"] and sorted(started.values()) == addresses, out
+    for number, address in started.items():
+        folder = trial_dir(sweep_dir, int(number))
+        summary = json.loads((folder / "summary.json").read_text())
+        assert summary["world_size"] == 1, summary  # the node's one slot
+        node = addresses.index(address)
+        assert [i for i in range(2) if (up.run.path / f"nodes/node-{i}/work/runs/sweeps/"
+                                        f"on_cluster/00{number}/summary.json").is_file()] == [node]
+        assert list((folder / "tensorboard").glob(f"*.node-{node}.*"))
+        # What its processes printed, kept here (not replaced by the node's copy).
+        assert "trained 8 steps on 1 workers" in (folder / "trial.log").read_text()
+    assert side_by_side(sweep_dir, [0, 1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+def test_down_leaves_nothing_of_the_run(brought_up):
+    code, out = brought_up.said["down"]
+    assert code == 0, out
+    run_id = brought_up.run.id
+    assert leftovers(run_id) == [] and processes(run_id) == [], out

@@ -11,8 +11,8 @@ import pytest
 from spotring.exits import ConfigError
 from spotring.launch import config
 from spotring.launch.__main__ import main
+from tests.commands import python_m
 from tests.conftest import REPO
-from tests.launcher import launcher
 
 
 def problems(*overrides: str) -> str:
@@ -161,9 +161,9 @@ def test_a_bad_command_line_exits_2_naming_it(capsys, argv, message):
 
 
 def test_python_dash_m_launch_names_itself():
-    proc = launcher("down", "--help")
-    assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m spotring.launch down ")
-    proc = launcher("up", "nodes=0", "--dry-run")
-    assert proc.returncode == 2
-    assert proc.stderr.startswith("python -m spotring.launch up: error: bad launch configuration:\n"
-                                  "  - nodes=0: must be from 1 to cluster.max_nodes=16")
+    done = python_m("spotring.launch", "down", "--help")
+    assert done.code == 0 and done.out.startswith("usage: python -m spotring.launch down ")
+    done = python_m("spotring.launch", "up", "nodes=0", "--dry-run")
+    assert done.code == 2
+    assert done.err.startswith("python -m spotring.launch up: error: bad launch configuration:\n"
+                               "  - nodes=0: must be from 1 to cluster.max_nodes=16")

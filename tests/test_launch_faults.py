@@ -14,29 +14,20 @@ SPOTRING_FAULTS=all tries every call with every fault.
 
 from __future__ import annotations
 
-import io
 import os
-import signal
-from contextlib import redirect_stderr, redirect_stdout
-from typing import NamedTuple
 
 import pytest
 
 from spotring.exits import EXIT_FAILED
 from spotring.launch.__main__ import main
 from tests.aws import MOTO_CLUSTER, aws_env, stand_in_ssh, start_moto, tagged
+from tests.commands import Done, call
 from tests.faults import FAULTS, FaultProxy, blips, in_turn, outage
 
 # Standard, not the launcher's adaptive mode: its client-side rate limit would slow the
 # calls after a throttled one down, in tests that throttle on purpose.
 RETRY = {"AWS_MAX_ATTEMPTS": "2", "AWS_RETRY_MODE": "standard"}
 EVERY = os.environ.get("SPOTRING_FAULTS") == "all"
-
-
-class Result(NamedTuple):
-    code: int
-    out: str
-    err: str
 
 
 @pytest.fixture(scope="module")
@@ -51,22 +42,12 @@ def proxy():
 
 @pytest.fixture(scope="module")
 def spotring(proxy, tmp_path_factory):
-    """spotring COMMAND ARGS... in this process, against the proxy, with its runs in a
-    temporary directory. The signal handlers the command sets are this process's: they
-    are put back after it."""
+    """spotring COMMAND ARGS... in this process (tests/commands.py), against the proxy,
+    with its runs in a temporary directory."""
     home = tmp_path_factory.mktemp("spotring")
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-    def _spotring(command: str, *overrides: str) -> Result:
-        handlers = {sig: signal.getsignal(sig) for sig in signals}
-        out, err = io.StringIO(), io.StringIO()
-        try:
-            with redirect_stdout(out), redirect_stderr(err):
-                code = main([command, f"runs_dir={home / 'runs'}", *MOTO_CLUSTER, *overrides])
-        finally:
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
-        return Result(code, out.getvalue(), err.getvalue())
+    def _spotring(command: str, *overrides: str) -> Done:
+        return call(main, command, f"runs_dir={home / 'runs'}", *MOTO_CLUSTER, *overrides)
 
     with pytest.MonkeyPatch.context() as env:
         for key, value in {**aws_env(proxy.endpoint, home), **RETRY}.items():
@@ -75,8 +56,11 @@ def spotring(proxy, tmp_path_factory):
         yield _spotring
 
 
-def launch(spotring, run_id: str) -> Result:
-    return spotring("launch", "nodes=1", "cluster.instance_types=[c5.large]", f"run_id={run_id}")
+def launch(spotring, run_id: str) -> Done:
+    # A stub for the job's command: it never starts (the stand-in ssh fails first), and
+    # the trainer's would have its config composed and checked at every launch.
+    return spotring("launch", "nodes=1", "cluster.instance_types=[c5.large]", f"run_id={run_id}",
+                    "--", "true")
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +108,7 @@ def points(calls: list[str]) -> list[tuple[int, str]]:
     return [(n, in_turn(i)) for i, n in enumerate(sorted(chosen))]
 
 
+@pytest.mark.slow
 def test_an_outage_of_any_call_leaves_nothing_that_down_cannot_remove(spotring, proxy, calls):
     """After each: a non-zero exit and a line that says why; and what is left, if
     anything, named with the command that removes it, which then does."""
@@ -132,7 +117,8 @@ def test_an_outage_of_any_call_leaves_nothing_that_down_cannot_remove(spotring, 
         run_id = f"fault-{n}-{fault}"
         what = f"call {n} ({calls[n - 1]}) {fault}"
         proxy.reset(outage(n, fault))
-        code, out, err = launch(spotring, run_id)
+        done = launch(spotring, run_id)
+        code, err = done.code, done.err
         attempts = len(proxy.failed)
         proxy.reset()
         left = tagged(run_id)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import re
 import subprocess
 
-from horovod.runner.common.util import hosts as horovod_hosts
+import pytest
 
 from spotring.exits import PREEMPTED
 from spotring.launch import hostfile, job_command
 from spotring.launch.commands import BIN, local_environment
 from spotring.launch.provider import Node
+from tests.launcher import HOROVOD_MISSING, needs_horovod
 
 # Two nodes of 4 GPUs: public addresses for ssh from here, private ones between them.
 NODES = [Node(f"i-{i}", f"203.0.113.{i}", f"10.0.1.{10 + i}", 4, "g5.12xlarge", "us-east-1a",
@@ -23,6 +24,9 @@ def write(tmp_path):
 
 
 def test_horovod_reads_the_hostfile(tmp_path):
+    # Imported here: `make test-fast` runs on a checkout whose Horovod is not built yet.
+    horovod_hosts = pytest.importorskip("horovod.runner.common.util.hosts",
+                                        reason=HOROVOD_MISSING)
     spec = horovod_hosts.parse_host_files(str(write(tmp_path)))
     assert spec == "10.0.1.10:4,10.0.1.11:4"
     slots = horovod_hosts.get_host_assignments(horovod_hosts.parse_hosts(spec), 8)
@@ -82,6 +86,8 @@ def test_the_job_command_of_each_launcher():
                             for i in (0, 1)}
 
 
+@pytest.mark.slow
+@needs_horovod
 def test_the_trainers_exit_code_comes_through_horovodrun(tmp_path):
     # horovodrun itself exits 1 whatever its ranks did; the launcher reads the rank's code
     # from horovodrun's own last words.
@@ -95,6 +101,7 @@ def test_the_trainers_exit_code_comes_through_horovodrun(tmp_path):
     assert job.exit_code(0, "") == 0
 
 
+@pytest.mark.slow
 def test_a_preemption_under_torchrun_is_told_by_rank_0s_note(tmp_path):
     # torchrun exits 1 when a worker exits 75; rank 0's preempted.json (brought back by
     # `run`) is what says the job was preempted rather than failed.

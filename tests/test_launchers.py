@@ -1,4 +1,5 @@
-"""Every way users start a run, each with 2 ranks, each ending with a valid summary.json."""
+"""Every way users start the trainer, each with 2 ranks, each ending with a valid
+summary.json: the launcher, the engine, and the backend its allreduce takes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 
 from spotring.launch.commands import BIN, local_environment
 from tests.conftest import QUICK, REPO, Run
+from tests.launcher import needs_horovod
 
 SHORT = ["dataset=synthetic", "dataset.shape=[1,28,28]", "dataset.train_size=1280",
          "train.batch_size=32", "train.max_steps=12", "train.threads=1"]
@@ -37,51 +39,38 @@ def trainer(run_dir, *overrides: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_ddp_under_horovodrun_with_hosts(tmp_path):
+@needs_horovod
+def test_ddp_under_horovodrun_with_a_hostfile(tmp_path):
     # engine=ddp under horovodrun: rank 0 posts its store's address to horovodrun's
-    # rendezvous server, so users can switch engines without switching launchers.
+    # rendezvous server, so users can switch engines without switching launchers; the
+    # hosts and their slots from a hostfile, as `spotring launch` gives them.
     # (engine=horovod under `horovodrun -H` is what `make train ENGINE=horovod` runs.)
-    run = launch([str(BIN / "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2",
-                  *trainer(tmp_path, "engine=ddp")], tmp_path)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")
+    run = launch([str(BIN / "horovodrun"), "--gloo", "-np", "2", "--hostfile", str(hostfile),
+                  *trainer(tmp_path / "run", "engine=ddp")], tmp_path / "run")
     check_summary(run, "ddp")
     assert run.summary["backend"] == "gloo"
 
 
 @pytest.mark.slow
-def test_horovodrun_as_horovods_documentation_starts_a_job(tmp_path):
-    # No --gloo: horovodrun picks its MPI controller and starts Open MPI 5's mpirun, which
-    # reads the command line only with launch/node/horovod-openmpi5.patch built in. Typed as users
-    # type it: the launcher and the program found on PATH (the venv's bin first).
-    run = launch(["horovodrun", "-np", "2", "-H", "localhost:2", "spotring", "train",
-                  *short_run(tmp_path, "engine=horovod")], tmp_path)
-    check_summary(run, "horovod")
-    assert run.summary["backend"] == "mpi"  # Horovod's MPI controller, not Gloo's
-
-
-@pytest.mark.slow
-def test_horovodrun_with_a_hostfile(tmp_path):
-    hostfile = tmp_path / "hosts"
-    hostfile.write_text("localhost slots=2\n")
-    run = launch([str(BIN / "horovodrun"), "--gloo", "-np", "2", "--hostfile", str(hostfile),
-                  *trainer(tmp_path / "run", "engine=horovod")], tmp_path / "run")
-    check_summary(run, "horovod")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("engine, backend, transport", [
-    ("horovod", "mpi", "mpi"), ("horovod", "auto", "mpi"), ("ddp", "gloo", "gloo")])
-def test_mpirun(tmp_path, engine, backend, transport):
+@needs_horovod
+def test_engine_horovod_under_mpirun_takes_mpi_for_its_allreduce(tmp_path):
     # Under mpirun, Horovod's controller is MPI, and so is its CPU allreduce by default.
+    # (engine=ddp under mpirun, over Gloo and over MPI: tests/test_equivalence.py.)
     run = launch([str(BIN / "mpirun"), "-np", "2", "--oversubscribe",
-                  *trainer(tmp_path, f"engine={engine}", f"engine.backend={backend}")], tmp_path)
-    check_summary(run, engine)
-    assert run.summary["backend"] == transport
+                  *trainer(tmp_path, "engine=horovod", "engine.backend=auto")], tmp_path)
+    check_summary(run, "horovod")
+    assert run.summary["backend"] == "mpi"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["horovod", "ddp"])
+@pytest.mark.parametrize("engine", ["ddp", pytest.param("horovod", marks=needs_horovod)])
 def test_make_train(tmp_path, engine):
-    # What make runs is the users' own command: torchrun, or horovodrun with -H.
+    """What make runs is the users' own command, typed as they type it, the launcher and
+    the program found on PATH (the venv's bin first): torchrun, or horovodrun with -H and
+    no --gloo, whose MPI controller starts Open MPI 5's mpirun, which reads the command
+    line only with launch/node/horovod-openmpi5.patch built in."""
     args = " ".join([f"hydra.run.dir={tmp_path}", *QUICK, *SHORT])
     run = launch(["make", "--no-print-directory", "train", f"ENGINE={engine}", "NPROC=2",
                   f"ARGS={args}"], tmp_path)
@@ -90,8 +79,11 @@ def test_make_train(tmp_path, engine):
                }[engine]
     assert any(line.startswith(started) for line in run.proc.stdout.splitlines())
     check_summary(run, engine)
+    # Horovod's MPI controller, not Gloo's.
+    assert run.summary["backend"] == {"ddp": "gloo", "horovod": "mpi"}[engine]
 
 
+@needs_horovod
 def test_horovod_is_built_with_pytorch_gloo_and_mpi():
     # What `horovodrun -cb` prints, asked of the library itself.
     import horovod.torch as hvd

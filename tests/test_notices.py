@@ -3,60 +3,56 @@
 The metadata services are the loopback stubs of tests/imds.py, each answering as its
 cloud documents; every other cloud's service is pointed at a closed port, so that the
 cloud found is the stub's whatever machine the tests run on (a CI runner on Azure has a
-real Azure service at 169.254.169.254). The jobs are tests/user_script.py's train.py
-under torchrun, 2 workers on Gloo.
+real Azure service at 169.254.169.254). Each cloud's notice stopping the ranks of a job
+at one step: tests/test_resume.py.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import itertools
+import logging
 import re
-import socket
 import subprocess
 import sys
+import threading
 import time
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
 import spotring
 from spotring import metadata
-from spotring.contract import RUN_DIR
-from spotring.exits import EXIT_PREEMPTED
 from spotring.launch.commands import local_environment
 from spotring.preemption import NOTICE_SECONDS, Decision, Preemption, vote_interval
-from tests import user_script
-from tests.imds import AzureStub, GCPStub, MetadataStub
-from tests.test_spot import Job, OneRank, next_decision
+from tests.imds import STUBS, AzureStub, GCPStub, MetadataStub, pointed_at
+from tests.test_spot import OneRank, next_decision
 
-STUBS = {"ec2": MetadataStub, "gcp": GCPStub, "azure": AzureStub}
 WINDOWS = {"ec2": 120, "gcp": 30, "azure": 30}  # each cloud's documented notice
 
 
-def closed_port() -> str:
-    """host:port where nothing listens: a connection is refused at once."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return "{}:{}".format(*s.getsockname())
+@pytest.fixture
+def only(monkeypatch) -> Iterator[Callable]:
+    """only(stub): ``stub``, made the only service that answers, and closed after the
+    test."""
+    stubs = []
 
+    def serve(stub):
+        for name, value in pointed_at(stub).items():
+            monkeypatch.setenv(name, value)
+        stubs.append(stub)
+        return stub
 
-def pointed_at(stub=None, *, others=None) -> dict[str, str]:
-    """The variables that point every cloud's service at ``stub`` where it is that
-    cloud's, else at ``others`` (host:port; default a closed port)."""
-    elsewhere = others or closed_port()
-    env = {cls.variable: elsewhere if cls is GCPStub else f"http://{elsewhere}"
-           for cls in STUBS.values()}
-    return env | (stub.env if stub is not None else {})
+    yield serve
+    for stub in stubs:
+        stub.close()
 
 
 @pytest.fixture
-def service(request, monkeypatch):
+def service(request, only):
     """The stub of the cloud ``request.param`` names, the only service that answers."""
-    stub = STUBS[request.param]()
-    for name, value in pointed_at(stub).items():
-        monkeypatch.setenv(name, value)
-    yield stub
-    stub.close()
+    return only(STUBS[request.param]())
 
 
 # ------------------------------------------------------------------------ the services
@@ -153,84 +149,115 @@ def test_an_unknown_source_is_refused_naming_the_valid_ones():
         "preemption.notices=aws: unknown; valid: auto, ec2, gcp, azure, none"]
 
 
-@pytest.mark.parametrize("service", ["gcp", "azure"], indirect=True)
-def test_the_watcher_stops_on_the_clouds_notice_and_knows_its_window(service):
-    watcher = Preemption(spotring.PreemptionOptions(poll_seconds=0.05), OneRank(),
-                         local_rank=0)
+@contextlib.contextmanager
+def watching(**options) -> Iterator[Preemption]:
+    """Local rank 0's watcher, with PreemptionOptions ``options``, once it has found the
+    service that answers."""
+    watcher = Preemption(spotring.PreemptionOptions(**options), OneRank(), local_rank=0)
     try:
         assert watcher.notice_seconds == NOTICE_SECONDS  # EC2's, until a service answers
-        deadline = time.monotonic() + 10
-        while watcher.source is None and time.monotonic() < deadline:
+        deadline = time.monotonic() + 30
+        while watcher.source is None:
+            assert time.monotonic() < deadline, "no metadata service found in 30 s"
             time.sleep(0.01)
-        assert watcher.notice_seconds == 30
-        service.announce()
-        assert next_decision(watcher).stop.startswith(f"{service.cloud} ")
+        yield watcher
     finally:
         watcher.close()
         watcher.restore_signals()
 
 
-# ------------------------------------------------------------------- notices in a job
+@pytest.mark.parametrize("service", STUBS, indirect=True)
+def test_the_watcher_sees_each_clouds_notice_within_a_second_and_knows_its_window(service):
+    with watching() as watcher:  # the defaults: EC2 and Azure polled every 0.5 s
+        assert watcher.notice_seconds == WINDOWS[watcher.source.name]
+        if isinstance(service, GCPStub):
+            service.until_held()
+        announced = time.time()
+        service.announce()
+        assert next_decision(watcher).stop.startswith(f"{service.cloud} ")
+    assert 0 < watcher.noticed_at - announced < 1
 
 
-def start(tmp_path, env: dict[str, str], *args: str) -> Job:
-    """train.py of tests/user_script.py under torchrun, 2 workers, with ``args``; its
-    run directory tmp_path/run."""
-    project = user_script.write_project(tmp_path / "project")
-    run_dir = tmp_path / "run"
-    return Job(run_dir, [], {RUN_DIR: str(run_dir), **env}, launcher="torchrun",
-               command=[sys.executable, "train.py", "--save-every", "100000", *args],
-               cwd=project)
+def test_gcp_answers_a_held_request_the_moment_the_flag_rises(only, caplog):
+    caplog.set_level(logging.INFO, "spotring")
+    stub = only(GCPStub())
+    unchanged = stub.etag
+    # A poll every 30 s could not see the flag within a second: only a held request.
+    with watching(notices="gcp", poll_seconds=30) as watcher:
+        stub.until_held()
+        announced = stub.announce()
+        assert next_decision(watcher).stop == "GCP preemption notice"
+    probe, (held, came, answered) = stub.exchanges
+    assert probe[0] == GCPStub.PREEMPTED  # a plain request first: the flag and its ETag
+    assert came < announced <= answered < announced + 1
+    assert urlsplit(held).path == GCPStub.PREEMPTED and parse_qs(urlsplit(held).query) == {
+        "wait_for_change": ["true"], "last_etag": [unchanged],
+        "timeout_sec": [str(metadata.GCP.HOLD_SECONDS)]}
+    assert f"watching GCP's metadata service at {stub.url} for spot notices with " \
+           "requests it holds until its notice changes" in caplog.text
 
 
-def stopped_at(run) -> int:
-    """The one step both ranks stopped at, exiting 75 (the reason of the rank without the
-    notice: the others' vote)."""
-    steps = set(re.findall(rf"preempted \(.*\) at step (\d+); exit {EXIT_PREEMPTED}",
-                           run.output))
-    assert len(steps) == 1 and "another rank received a notice" in run.output, \
-        run.output[-6000:]
-    assert f"exitcode  : {EXIT_PREEMPTED}" in run.output, run.output[-6000:]  # torchrun's
-    return int(steps.pop())
+def test_gcp_answers_at_once_a_change_made_between_two_requests():
+    # last_etag names what the watcher saw last: a held request without it would wait
+    # for the next change, and miss this one.
+    stub = GCPStub()
+    try:
+        source = metadata.GCP(stub.url)
+        assert source.notice() is None and source.holds
+        stub.announce()
+        assert source.wait() == "GCP preemption notice"
+    finally:
+        stub.close()
+    held, came, answered = stub.exchanges[-1]
+    assert "wait_for_change=true" in held and answered - came < 1
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("service", ["gcp", "azure"], indirect=True)
-def test_a_notice_stops_every_rank_at_one_step_with_a_checkpoint_and_exit_75(
-        tmp_path, service):
-    job = start(tmp_path, pointed_at(service), "--steps", "3000", "--sleep", "0.005",
-                "--poll-seconds", "0.1")
-    job.wait_for_step(20)
-    announced = time.time()
-    service.announce()
-    run = job.finish()
-    step = stopped_at(run)
-    note = json.loads((run.dir / "preempted.json").read_text())
-    assert note["step"] == step and note["reason"].startswith(f"{service.cloud} "), note
-    assert f"ckpt-{step:09d}" in note["checkpoint"] and Path(note["checkpoint"]).exists()
-    assert f"watching {service.cloud}'s metadata service at {service.url}" in run.output
-    assert f"spotring: {note['reason']}\n" in run.output, run.output[-6000:]  # the watcher's
-    assert 0 < note["noticed_at"] - announced < 5, note  # polled every 0.1 s
+def test_gcp_answers_at_once_a_flag_up_before_the_first_request():
+    # The probe saw it (a VM preempted as the job starts): no request waits for a change.
+    stub = GCPStub()
+    try:
+        stub.announce()
+        source = metadata.GCP(stub.url)
+        source.probe()
+        assert not source.holds and source.wait() == "GCP preemption notice"
+    finally:
+        stub.close()
+    assert stub.requests == [GCPStub.PREEMPTED] * 2
 
 
-@pytest.mark.slow
-def test_automatic_votes_grow_apart_on_fast_steps_and_a_sigterm_stops_both_at_one_step(
-        tmp_path):
-    job = start(tmp_path, pointed_at(), "--steps", "200000")
-    job.wait_for_step(400)  # the interval has grown from 1 with the measures
-    ranks = subprocess.run(["pgrep", "-P", str(job.proc.pid)], capture_output=True,
-                           text=True, timeout=10).stdout.split()
-    assert len(ranks) == 2, ranks
-    signalled = job.steps_done()
-    subprocess.run(["kill", "-TERM", ranks[-1]], check=True)  # one rank, as the OS does
-    run = job.finish()
-    step = stopped_at(run)
-    interval = int(re.search(r"the ranks agreed to stop \(votes every (\d+) steps\)",
-                             run.output).group(1))
-    assert interval > 1, run.output[-6000:]
-    print(f"\nvotes every {interval} steps; SIGTERM after step {signalled}, stopped at {step}")
-    assert signalled <= step and json.loads((run.dir / "preempted.json").read_text())["step"] \
-        == step
+@pytest.mark.parametrize("wait_for_change", ["ignored", "refused"])
+def test_a_gcp_server_that_will_not_hold_a_request_is_polled(only, caplog,
+                                                             wait_for_change):
+    caplog.set_level(logging.INFO, "spotring")
+    stub = only(GCPStub(wait_for_change))
+    poll = 0.05
+    with watching(notices="gcp", poll_seconds=poll) as watcher:
+        deadline = time.monotonic() + 30
+        while len(stub.requests) < 10:  # polled a while
+            assert time.monotonic() < deadline, stub.requests
+            time.sleep(0.01)
+        stub.announce()
+        assert next_decision(watcher).stop == "GCP preemption notice"
+    # One request an interval, not one after the other as fast as they are answered
+    # (past the probe, the first request and, where it was refused, the plain one then).
+    came = [c for _, c, _ in stub.exchanges[3:]]
+    assert min(b - a for a, b in itertools.pairwise(came)) > poll / 2, came
+    if wait_for_change == "refused":  # tried once, then plain requests
+        assert sum("wait_for_change" in path for path in stub.requests) == 1, stub.requests
+        assert f"GCP's metadata server at {stub.url} failed a request held until its " \
+               "preempted flag changes (HTTP 400 Bad Request" in caplog.text
+
+
+def test_close_ends_a_held_request_at_once(only):
+    stub = only(GCPStub())
+    with watching(notices="gcp") as watcher:
+        stub.until_held()
+        started = time.monotonic()
+        watcher.close()  # while the server holds its request, for up to a minute
+        took = time.monotonic() - started
+    assert "spot-notice-watcher" not in [t.name for t in threading.enumerate()]
+    assert took < 1
+    assert stub.holding == 1 and not stub.preempted  # nothing answered it
 
 
 # ------------------------------------------------------------------ the vote's interval

@@ -13,17 +13,15 @@ from __future__ import annotations
 import csv
 import json
 import os
-import shutil
 import subprocess
 import sys
-import sysconfig
-import venv
 import zipfile
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import QUICK, REPO
+from tests.installed import checkout_wheel, spotring_venv
 
 pytestmark = pytest.mark.slow
 
@@ -37,18 +35,7 @@ STEPS = ["train.max_steps=4", "train.eval_samples=500", *QUICK]
 def installed(tmp_path_factory) -> dict:
     """PATH and environment of a new venv with the wheel installed, and a bare cwd."""
     root = tmp_path_factory.mktemp("user")
-    wheels = root / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", wheels, checkout_copy(root / "src")], check=True, timeout=300)
-    env_dir = root / "env"
-    venv.create(env_dir, with_pip=False)
-    site = Path(subprocess.run(
-        [env_dir / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()"
-         "['purelib'])"], check=True, capture_output=True, text=True).stdout.strip())
-    (site / "borrowed.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "--python", env_dir / "bin" / "python",
-                    "install", "--no-deps", "-q", *wheels.glob("spotring-*.whl")],
-                   check=True, timeout=300)
+    env_dir = spotring_venv(root / "env")
     blocked = root / "blocked"
     blocked.mkdir()
     for name in NOT_FOR_USERS:
@@ -61,21 +48,7 @@ def installed(tmp_path_factory) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env |= {"PATH": f"{env_dir / 'bin'}:{Path(sys.executable).parent}:{env['PATH']}",
             "PYTHONPATH": str(blocked), "OMP_NUM_THREADS": "1"}
-    return {"env": env, "cwd": work, "bin": env_dir / "bin",
-            "wheel": next(wheels.glob("spotring-*.whl"))}
-
-
-def checkout_copy(to: Path) -> Path:
-    """The files a fresh clone would have (git's, as they are now, and new ones it does not
-    ignore), without data/: setuptools reuses a build/ folder, which in the checkout may
-    still hold modules deleted since."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-                            cwd=REPO, check=True, capture_output=True, text=True).stdout
-    for name in listed.splitlines():
-        if not name.startswith("data/") and (REPO / name).is_file():
-            (to / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, to / name)
-    return to
+    return {"env": env, "cwd": work}
 
 
 def user(installed: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -83,8 +56,8 @@ def user(installed: dict, *args: str, timeout: float = 300) -> subprocess.Comple
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_spotring_is_the_only_top_level_name(installed):
-    with zipfile.ZipFile(installed["wheel"]) as wheel:
+def test_spotring_is_the_only_top_level_name():
+    with zipfile.ZipFile(checkout_wheel()) as wheel:
         record = next(n for n in wheel.namelist() if n.endswith(".dist-info/RECORD"))
         rows = list(csv.reader(wheel.read(record).decode().splitlines()))
     tops = {row[0].split("/")[0] for row in rows}

@@ -1,12 +1,11 @@
 """The scaling predictor: the published figures it must reproduce, the properties a user
-choosing a node count relies on, and `spotring predict` as a user types it."""
+choosing a node count relies on, and `spotring predict` as a user types it (its main, in
+this process)."""
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -17,6 +16,7 @@ from spotring.benchmarks.predict import (
     cost_optimal,
     fit_alpha_beta,
     machine_scenario,
+    main,
     predict,
     ring_allreduce_seconds,
     validate_machine,
@@ -34,9 +34,14 @@ PUBLISHED = [("chameleon-resnet50", 1, "img_s", 194.86),
              ("horovod-resnet101", 128, "efficiency", 0.90)]
 
 
-def predict_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "spotring.benchmarks.predict", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+@pytest.fixture
+def predict_cli(capsys):
+    """`spotring predict ARGS`: what it printed (a failed command raises, its exit code in
+    SystemExit)."""
+    def run(*args: str) -> str:
+        assert main(list(args)) == 0
+        return capsys.readouterr().out
+    return run
 
 
 @pytest.mark.parametrize("case, nodes, what, published", PUBLISHED,
@@ -45,11 +50,10 @@ def test_reproduces_the_published_figures_within_10_percent(case, nodes, what, p
     assert predict(PRESETS[case], nodes)[what] == pytest.approx(published, rel=0.10)
 
 
-def test_the_validation_table_reports_the_published_figures_and_errors():
+def test_the_validation_table_reports_the_published_figures_and_errors(predict_cli):
     out = predict_cli("--validate")
-    assert out.returncode == 0, out.stderr
     for case, nodes, what, published in PUBLISHED:
-        line = next(x for x in out.stdout.splitlines() if x.split()[:3] == [case, str(nodes),
+        line = next(x for x in out.splitlines() if x.split()[:3] == [case, str(nodes),
                                                                             what])
         error = predict(PRESETS[case], nodes)[what] / published - 1
         assert f"{published:.4g}" in line and line.endswith(f"{error:+.1%}")
@@ -100,24 +104,22 @@ def test_the_cost_optimal_count_meets_the_deadline_and_nothing_cheaper_does():
     assert cost_optimal(s, deadline_hours=0.01) is None  # faster than 256 nodes can go
 
 
-def test_the_command_line_names_a_cost_optimal_count_that_meets_the_deadline():
+def test_the_command_line_names_a_cost_optimal_count_that_meets_the_deadline(predict_cli):
     out = predict_cli("--preset", "horovod-resnet101", "--deadline-hours", "6", "--price", "3")
-    assert out.returncode == 0, out.stderr
     nodes, hours = re.search(r"cost-optimal for a 6 h deadline: (\d+) nodes, ([\d.]+) h",
-                             out.stdout).groups()
+                             out).groups()
     assert float(hours) <= 6
-    table = {int(line.split()[0]): line for line in out.stdout.splitlines()
+    table = {int(line.split()[0]): line for line in out.splitlines()
              if re.match(r"\s+\d+ ", line)}
     assert table[int(nodes)].endswith("<- cost-optimal")
     assert {1, 2, 128, 256} <= table.keys()
     assert float(table[1].split()[5]) > 6  # one node alone would miss it
 
 
-def test_given_figures_are_predicted_as_given():
+def test_given_figures_are_predicted_as_given(predict_cli):
     out = predict_cli("--img-s", "194.86", "--batch", "128", "--gradient-mb", "102.2",
                       "--bucket-mb", "4", "--link-gbit", "10", "--latency-us", "50")
-    assert out.returncode == 0, out.stderr
-    row = next(x for x in out.stdout.splitlines() if x.split()[:1] == ["8"])
+    row = next(x for x in out.splitlines() if x.split()[:1] == ["8"])
     expected = predict(PRESETS["chameleon-resnet50"], 8)["img_s"]
     assert float(row.split()[1]) == pytest.approx(expected, rel=0.002)
 
@@ -130,10 +132,12 @@ def test_given_figures_are_predicted_as_given():
     (["--preset", "resnet9000"], "resnet9000"),
     (["--preset", "chameleon-resnet50", "--gpus-per-node", "0"], "--gpus-per-node 0"),
 ])
-def test_bad_input_exits_2_naming_the_value(args, named):
-    out = predict_cli(*args)
-    assert out.returncode == 2 and named in out.stderr, out.stderr
-    assert not out.stdout
+def test_bad_input_exits_2_naming_the_value(capsys, args, named):
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    out = capsys.readouterr()
+    assert exited.value.code == 2 and named in out.err, out.err
+    assert not out.out
 
 
 def test_the_alpha_beta_fit_recovers_a_ring_s_latency_and_bandwidth():
@@ -151,7 +155,7 @@ def test_a_ring_at_link_speed_shows_the_link_speed_as_bus_bandwidth():
         assert bandwidth(64_000_000, seconds, ranks)["busbw_gbps"] == pytest.approx(link / 1e9)
 
 
-def test_a_bench_run_is_predicted_from_its_own_one_worker_and_allreduce_figures():
+def test_a_bench_run_is_predicted_from_its_own_one_worker_and_allreduce_figures(predict_cli):
     """--results: r1 is the run's 1-worker img/s; each multi-worker row's error is the
     prediction against its measured total."""
     results = json.loads(REFERENCE.read_text())
@@ -171,6 +175,5 @@ def test_a_bench_run_is_predicted_from_its_own_one_worker_and_allreduce_figures(
         assert row["predicted"] <= row["workers"] * row["img_s_1"]
     s = machine_scenario(results, "ddp", rows[0]["batch"])
     out = predict_cli("--results", str(REFERENCE.parent), "--link-gbit", "25")
-    assert out.returncode == 0, out.stderr
-    assert f"{s.img_s:.1f} img/s per worker computing" in out.stdout
-    assert "beta 25.00 Gbit/s" in out.stdout
+    assert f"{s.img_s:.1f} img/s per worker computing" in out
+    assert "beta 25.00 Gbit/s" in out

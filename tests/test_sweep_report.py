@@ -12,7 +12,8 @@ import pytest
 
 from spotring.sweep import report
 from spotring.sweep.report import TrialRow, pareto_front
-from tests.test_bench_report import PNG_SIGNATURE, sections
+from tests.sweeps import number, trials_table
+from tests.test_bench_report import PNG_SIGNATURE
 
 # ------------------------------------------------------------------------- Pareto front
 
@@ -72,17 +73,6 @@ def row(number: int, state: str, s: dict | None = None, values: list[float] | No
     return TrialRow(number=number, state=state, params=params or {"optim.lr": f"0.0{number}"},
                     summary=s, values=values, restarts=restarts, wall_seconds=wall,
                     dollars=dollars, note=note, run_dir=f"trials/{number:03d}")
-
-
-def trials_table(markdown: str) -> list[dict[str, str]]:
-    tables = sections(markdown)["Trials"]
-    assert len(tables) == 1
-    return tables[0]
-
-
-def number(cell: str) -> int:
-    """'[3](trials/003)' -> 3."""
-    return int(cell.split("]")[0].lstrip("["))
 
 
 def check_png(path):

@@ -53,7 +53,8 @@ def test_tensorboard_and_metrics_hold_every_scalar_written_by_rank_0_only(train)
     assert run.output.count("test accuracy") == 3  # two epoch lines and the summary
     assert run.output.count("20/20 [") == 1  # one progress bar, ended
     assert sorted(p.name for p in run.dir.iterdir()) == [
-        ".hydra", "checkpoints", "metrics.jsonl", "summary.json", "tensorboard", "train.log"]
+        ".hydra", "checkpoints", "checkpoints.json", "metrics.jsonl", "summary.json",
+        "tensorboard", "train.log"]
 
 
 @pytest.mark.slow

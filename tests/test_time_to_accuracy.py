@@ -9,14 +9,12 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from spotring.benchmarks import reference_loop
+from spotring.benchmarks import reference_loop, suite
 from spotring.benchmarks.time_to_accuracy import (
     REFERENCE,
     Configuration,
@@ -25,17 +23,9 @@ from spotring.benchmarks.time_to_accuracy import (
     summarize,
     trainer_steps,
 )
-from tests.conftest import REPO, compose_config
-from tests.test_bench_report import (
-    REFERENCE as REFERENCE_RUN,
-)
-from tests.test_bench_report import (
-    bench,
-    check_plots,
-    check_report,
-    report,
-    sections,
-)
+from tests.conftest import compose_config
+from tests.test_bench_report import REFERENCE as REFERENCE_RUN
+from tests.test_bench_report import check_plots, check_report, render, sections
 
 TARGET = 0.99
 # (configuration, seed): the curve [step, training seconds, accuracy] of a hand-made run.
@@ -96,8 +86,7 @@ def test_the_report_shows_the_table_and_the_plot(tmp_path):
         del results[key]
     results["time_to_accuracy"] = hand_made()
     (tmp_path / "results.json").write_text(json.dumps(results))
-    out = report(str(tmp_path))
-    assert out.returncode == 0, out.stderr
+    render(tmp_path)
     assert check_report(tmp_path) >= 4 * 5
     check_plots(tmp_path, results)
     (rows,) = sections((tmp_path / "report.md").read_text())["Time to accuracy"]
@@ -157,12 +146,11 @@ def test_the_reference_loop_s_clock_leaves_evaluation_out(monkeypatch):
     assert clock == sorted(clock) and clock[-1] == out["train_seconds"]
 
 
-def test_the_reference_loop_prints_one_json_line():
-    out = subprocess.run([sys.executable, "-m", "spotring.benchmarks.reference_loop", "--seed", "1",
-                          "--eval-every", "2", "--max-steps", "3"], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    (line,) = out.stdout.splitlines()
+def test_the_reference_loop_prints_one_json_line(capsys, monkeypatch):
+    # The line's contract, not MNIST's: tiny_data stands in (the real run below reads it).
+    monkeypatch.setattr(reference_loop, "mnist", tiny_data)
+    assert reference_loop.main(["--seed", "1", "--eval-every", "2", "--max-steps", "3"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
     result = json.loads(line)
     assert result.keys() >= {"train_seconds", "test_accuracy", "curve", "seed"}
     assert (result["seed"], result["steps"], result["threads"], result["batch"]) == (1, 3, 2,
@@ -172,28 +160,27 @@ def test_the_reference_loop_prints_one_json_line():
     assert result["train_seconds"] > 0 and 0 <= result["test_accuracy"] <= 1
 
 
-def test_bad_reference_loop_input_exits_2():
-    out = subprocess.run([sys.executable, "-m", "spotring.benchmarks.reference_loop",
-                          "--threads", "0"],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "--threads" in out.stderr
+def test_bad_reference_loop_input_exits_2(capsys):
+    with pytest.raises(SystemExit) as exited:
+        reference_loop.main(["--threads", "0"])
+    assert exited.value.code == 2 and "--threads" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- a real run
 
 
 @pytest.mark.slow
-def test_a_tiny_time_to_accuracy_run_from_measurement_to_report(tmp_path):
+def test_a_tiny_time_to_accuracy_run_from_measurement_to_report(tmp_path, capsys):
     """One seed of the reference loop and of the trainer under torchrun with 2 workers,
     20 steps each, evaluated twice, to 50% (about a minute)."""
     run = tmp_path / "run"
-    out = bench("--only", "time_to_accuracy", "--quick", "--seeds", "1", "--max-steps", "20",
-                "--evaluations", "2", "--target", "0.5", "--workers", "2", "--name", str(run),
-                timeout=600)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert suite.main(["--only", "time_to_accuracy", "--quick", "--seeds", "1", "--max-steps",
+                       "20", "--evaluations", "2", "--target", "0.5", "--workers", "2",
+                       "--name", str(run)]) == 0
+    said = capsys.readouterr().out
     assert re.search(r"\[2/2\] time to accuracy trainer x 2, seed 0: 50\.00% after [\d.]+ s",
-                     out.stdout), out.stdout
-    assert report(str(run)).returncode == 0
+                     said), said
+    render(run)
     results = json.loads((run / "results.json").read_text())
     assert check_report(run) >= 2 * 5
     check_plots(run, results)

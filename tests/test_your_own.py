@@ -5,6 +5,8 @@ in-memory batches."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,11 +14,13 @@ import torch
 
 from spotring import runtime
 from spotring.exits import ConfigError
+from spotring.trainer.__main__ import main as train
 from spotring.trainer.data import Batches, LoaderBatches
 from spotring.trainer.datasets import Dataset, MapDataset, Split
 from spotring.trainer.models import build_model
 from spotring.trainer.validation import validate
-from tests.conftest import assert_close, compose_config, run_trainer
+from tests.commands import call
+from tests.conftest import QUICK, assert_close, compose_config, run_trainer
 
 # Written into tmp_path and put on PYTHONPATH: what a user's package would hold.
 BUILDERS = '''
@@ -69,20 +73,29 @@ def bytes_data(root, seed):
     return Bytes(64, seed), Bytes(8, seed)
 '''
 MODEL, DATA = "model._target_=own.net", "dataset._target_=own.data"
+SMALL = ["train.batch_size=16", "train.max_steps=3"]
 
 
 @pytest.fixture
-def own(tmp_path):
-    """Runs of the trainer that can import the module ``own``."""
+def builders(tmp_path, monkeypatch) -> Path:
+    """tmp_path, holding own.py (BUILDERS): the module ``own`` for the trainer's processes
+    and for this one."""
     (tmp_path / "own.py").write_text(BUILDERS)
+    monkeypatch.syspath_prepend(tmp_path)
+    monkeypatch.delitem(sys.modules, "own", raising=False)  # another test's tmp_path's
+    return tmp_path
 
+
+@pytest.fixture
+def own(builders):
+    """Runs of the trainer that can import the module ``own``."""
     def _run(name: str, *overrides: str, **kwargs):
-        return run_trainer(tmp_path / name, "train.batch_size=16", "train.max_steps=3",
-                           f"data.root={tmp_path / 'data'}", *overrides,
-                           env={"PYTHONPATH": str(tmp_path)}, **kwargs)
+        return run_trainer(builders / name, *SMALL, f"data.root={builders / 'data'}",
+                           *overrides, env={"PYTHONPATH": str(builders)}, **kwargs)
     return _run
 
 
+@pytest.mark.slow
 def test_your_own_model_and_data_train_and_the_summary_names_them(own, tmp_path):
     run = own("run", MODEL, "+model.width=7", DATA, "+dataset.train_size=96", "train.seed=5")
     summary = run.summary
@@ -108,10 +121,12 @@ def test_your_own_model_and_data_train_and_the_summary_names_them(own, tmp_path)
      "dataset._target_=own.bytes_data: train[0] is a tuple of 2 (a Tensor of torch.uint8 "
      "[2, 5, 5], a str ('cat')); expected (image, label): a float tensor C x H x W and an int"),
 ])
-def test_a_bad_target_exits_2_naming_it_before_anything_starts(own, tmp_path, overrides, says):
-    run = own("run", *overrides, expect=2)
-    assert says in run.proc.stderr
-    assert not (run.dir / "checkpoints").exists()
+def test_a_bad_target_exits_2_naming_it_before_anything_starts(builders, overrides, says):
+    run_dir = builders / "run"  # the trainer in this process (tests/commands.py)
+    done = call(train, f"hydra.run.dir={run_dir}", *QUICK, *SMALL,
+                f"data.root={builders / 'data'}", *overrides)
+    assert done.code == 2 and says in done.err, done.err
+    assert not (run_dir / "checkpoints").exists()
 
 
 def test_validate_takes_the_new_options_and_refuses_nonsense():

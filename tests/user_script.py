@@ -2,13 +2,13 @@
 otherwise empty project directory: the library API (`import spotring`) around a float64
 least-squares model, so that N workers end with one worker's parameters to 1e-10.
 
-    python train.py --steps 40 --lr 0.1 --batch 8 --sleep 0 --save-every 10 --poll-seconds 5
+    python train.py --steps 40 --lr 0.1 --batch 8 --sleep 0 --save-every 10 [--poll-seconds S]
 
 It checkpoints every --save-every steps, stops on a spot notice (its cloud's metadata
-service polled every --poll-seconds) or SIGTERM with exit 75, resumes from its newest
-checkpoint, logs a train record every step and a test record at every epoch end (what
-`spotring sweep` prunes on), and ends with summary.json holding ``test_loss`` and
-``weights``. ``PLAIN`` is a script that does not use the library.
+service watched, asked every --poll-seconds where it answers at once) or SIGTERM with
+exit 75, resumes from its newest checkpoint, logs a train record every step and a test
+record at every epoch end (what `spotring sweep` prunes on), and ends with summary.json
+holding ``test_loss`` and ``weights``. ``PLAIN`` is a script that does not use the library.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ p.add_argument("--lr", type=float, default=0.1)
 p.add_argument("--batch", type=int, default=8)
 p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--save-every", type=int, default=10)
-p.add_argument("--poll-seconds", type=float, default=5.0)
+p.add_argument("--poll-seconds", type=float, default=0.5)  # spotring's default
 args = p.parse_args()
 
 g = torch.Generator().manual_seed(0)
@@ -49,7 +49,7 @@ with spotring.init(seed=0, preemption=notices) as job:
     model, optimizer = job.wrap(model, optimizer)
     job.track(model=model, optimizer=optimizer, loader=loader)
     job.restore()
-    epochs = -(-args.steps // len(loader.batch_sampler))
+    epochs = -(-args.steps // loader.steps_per_epoch)
     for epoch in loader.epochs(epochs):
         for xb, yb in loader:
             loss = ((model(xb).squeeze(1) - yb) ** 2).mean()

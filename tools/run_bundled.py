@@ -1,17 +1,17 @@
-"""Start a module of spotring with a bundle's wheels installed first: how tools/gpu-check
-starts, on a machine whose Python has torch but not spotring (docs/gpu.md).
+"""Start a script with a bundle's wheels installed first: how tools/gpu-check starts
+tools/gpu_check.py on a machine whose Python has torch but not spotring (docs/gpu.md).
 
-    python tools/run_bundled.py MODULE [ARGS...]    # ARGS may hold --bundle DIR
+    python tools/run_bundled.py SCRIPT [ARGS...]    # ARGS may hold --bundle DIR
 
 With ``--bundle DIR`` among ARGS (the folder `make gpu-bundle` made: spotring's wheel and
 those its trainer needs beside torch), the wheels are installed once per bundle and Python
 into a cache, $XDG_CACHE_HOME/spotring/bundles/KEY (default ~/.cache/...; KEY: a digest of
 the wheels' names and bytes and of the Python), and that folder goes first on the path of
-MODULE and of every process it starts (PYTHONPATH). The bundle's spotring must be the code
+SCRIPT and of every process it starts (PYTHONPATH). The bundle's spotring must be the code
 of the checkout this file is in (its modules and conf/'s files, against the wheel's
 RECORD): otherwise the checks would prove code other than the one at hand. Then
-``python -m MODULE ARGS`` replaces this process: the same pid, so that a signal sent to
-the kit reaches it. ARGS go to MODULE whole, --bundle too (it records what it ran with).
+``python SCRIPT ARGS`` replaces this process: the same pid, so that a signal sent to the
+kit reaches it. ARGS go to SCRIPT whole, --bundle too (it records what it ran with).
 
 Standard library only, run by its path: nothing of spotring can be imported before this has
 run. A wheel is installed by unpacking it (as pip does for --target, without pip, which an
@@ -213,7 +213,7 @@ def environment(site: Path | None) -> dict[str, str]:
 
 
 def prepare(args: list[str]) -> dict[str, str]:
-    """The environment MODULE runs in: the bundle of ``args`` installed, if any, and
+    """The environment SCRIPT runs in: the bundle of ``args`` installed, if any, and
     spotring importable there; raises Unusable with what to do."""
     bundle = bundle_of(args)
     site = None
@@ -237,16 +237,16 @@ def prepare(args: list[str]) -> dict[str, str]:
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("usage: python tools/run_bundled.py MODULE [ARGS...]", file=sys.stderr)
+        print("usage: python tools/run_bundled.py SCRIPT [ARGS...]", file=sys.stderr)
         return 2
-    module, *args = argv
+    script, *args = argv
     try:
         env = prepare(args)
     except Unusable as e:
-        print(f"cannot start {module}: {e}", file=sys.stderr)
+        print(f"cannot start {script}: {e}", file=sys.stderr)
         return 2
     sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, "-m", module, *args], env)
+    os.execve(sys.executable, [sys.executable, script, *args], env)
     return 0  # not reached: execve replaced this process
 
 

@@ -1,7 +1,7 @@
 """The wheels a GPU machine lacks, in one folder: made here, installed there.
 
-    make gpu-bundle                                   # here, with the package index: gpu-bundle/
-    python -m spotring.benchmarks.gpu_bundle DIR      # the same into DIR
+    make gpu-bundle                          # here, with the package index: gpu-bundle/
+    .venv/bin/python tools/gpu_bundle.py DIR # the same into DIR
 
 The folder holds spotring's own wheel, of the code that runs here (spotring.launch.wheel:
 the same code gives the same bytes), and the wheels tools/gpu-bundle.txt names, at the
@@ -96,7 +96,7 @@ def tracked_bytes() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m spotring.benchmarks.gpu_bundle",
+    parser = argparse.ArgumentParser(prog="tools/gpu_bundle.py",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("dir", nargs="?", type=Path, default=REPO / "gpu-bundle",
                         help="the folder (default: gpu-bundle/ in the checkout)")

@@ -1,0 +1,119 @@
+"""A user's training script as a function, for ranks spawned by tests/ranks.py: the
+library API around a float64 residual network of several blocks (each its own FSDP shard
+under engine=fsdp) with AdamW, on a regression set whose global batch of 12 splits over
+1, 2, 3 and 4 workers, so that any run of it, stopped and resumed anywhere, ends with
+one uninterrupted run's weights to 1e-10 (float64: see tests/test_equivalence.py).
+
+It restores the newest checkpoint, prints ``step N loss L`` (the loss averaged over the
+ranks, rank 0) every step, stops on a notice with exit 75, saves every ``save_every``
+steps (in the background unless ``blocking``) and at the end, and rank 0 leaves the whole
+model in weights.pt of the run directory.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+import spotring
+
+GLOBAL_BATCH, SAMPLES = 12, 96
+STEPS_PER_EPOCH = SAMPLES // GLOBAL_BATCH
+_GO = "go"  # the file that lets a held run go on
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class Net(nn.Module):
+    def __init__(self, width: int, blocks: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, width, dtype=torch.float64)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
+        self.out = nn.Linear(width, 1, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x).squeeze(1)
+
+
+def data() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(SAMPLES, 8, generator=g, dtype=torch.float64)
+    y = torch.sin(x.sum(1)) + 0.1 * torch.randn(SAMPLES, generator=g, dtype=torch.float64)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def residual(engine: str = "ddp", steps: int = 16, save_every: int = 4, width: int = 128,
+             sleep: float = 0.0, blocking: bool = False, vote_every: int | None = None,
+             notices: str | None = None, poll_seconds: float | None = None,
+             timeout_s: float | None = None, hold_at: int | None = None) -> None:
+    """Train ``steps`` steps under ``engine`` (see the module docstring); ``sleep``
+    seconds after each step, the ranks voting on a stop every ``vote_every`` steps
+    (None: spotring's own interval), spot notices from ``notices`` polled every
+    ``poll_seconds`` (None: spotring's default), collectives timing out after
+    ``timeout_s``. ``hold_at``: rank 0
+    waits after printing that step until the test lets it go on (``release``), and the
+    other ranks with it, in their next collective."""
+    preemption = spotring.PreemptionOptions(**(
+        {} if poll_seconds is None else {"poll_seconds": poll_seconds}))
+    with spotring.init(engine=engine, seed=0, check_every_steps=vote_every, notices=notices,
+                       preemption=preemption, timeout_s=timeout_s) as job:
+        model = Net(width)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loader = job.loader(data(), GLOBAL_BATCH)
+        model, optimizer = job.wrap(model, optimizer)
+        job.track(model=model, optimizer=optimizer, loader=loader)
+        job.restore()
+        for _ in loader.epochs(-(-steps // STEPS_PER_EPOCH)):
+            for xb, yb in loader:
+                loss = ((model(xb) - yb) ** 2).mean()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                mean = job.all_reduce(loss.detach()).item()
+                if job.is_main:
+                    print(f"step {job.step_count} loss {mean!r}", flush=True)
+                    if job.step_count == hold_at:
+                        _held(job.run_dir)
+                time.sleep(sleep)
+                if job.should_stop():
+                    job.save_and_exit()
+                if job.step_count % save_every == 0 and job.step_count < steps:
+                    job.save(background=not blocking)
+                if job.step_count == steps:
+                    break
+            if job.step_count == steps:
+                break
+        job.save(background=False)
+        whole = get_model_state_dict(job.unwrap(model), options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True))
+        if job.is_main:
+            torch.save(whole, job.run_dir / "weights.pt")
+        job.finish()
+
+
+def _held(run_dir) -> None:
+    while not (run_dir / _GO).exists():
+        time.sleep(0.01)
+
+
+def release(run_dir) -> None:
+    """Let a run held at its ``hold_at`` step go on."""
+    (run_dir / _GO).touch()
+
+
+def weights(run_dir) -> dict[str, torch.Tensor]:
+    """The whole model a run of ``residual`` ended with."""
+    return torch.load(run_dir / "weights.pt", weights_only=True)

@@ -88,7 +88,7 @@ OVERRIDES = {
     "job.*": ("job.launcher=LAUNCHER", "horovodrun (default), mpirun, torchrun or none\n"
               "job.results=DIR: where your command's rank 0 writes\n"
               "  (default runs/<run id>: $SPOTRING_RUN_DIR)\n"
-              "job.checkpoint_uri=s3://...: $SPOTRING_CHECKPOINT_URI\n"
+              "job.checkpoint_uri=s3://|gs://|az://...: $SPOTRING_CHECKPOINT_URI\n"
               "job.max_project_mb=200: the project's size limit"),
     "run_id": ("run_id=ID", "the run (default: up and launch a new one, the others "
                             "the newest)"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from omegaconf import II, MISSING, DictConfig, OmegaConf
 from spotring.exits import ConfigError
 from spotring.launch.contract import command_of, split_command
 from spotring.options import one_of
+from spotring.stores import uri_problem
 from spotring.trainer.compose import compose_checked
 
 CLUSTERS = ("aws_spot", "local")
@@ -109,8 +111,15 @@ class JobConfig:
     # Where rank 0 of the command writes, relative to the project (default: runs/<run id>,
     # which $SPOTRING_RUN_DIR names and spotring.init writes to): brought back as job/.
     results: str | None = None
-    # s3://... where the job's checkpoints also go: its $SPOTRING_CHECKPOINT_URI.
+    # s3://, gs:// or az://... where the job's checkpoints also go (its
+    # $SPOTRING_CHECKPOINT_URI); each node reaches it by its cloud's credential chain.
     checkpoint_uri: str | None = None
+    # Variables set for the job's every process on every node (as mpirun -x passes them),
+    # +job.env.NAME=VALUE: an emulator's endpoint, a store's credentials where the nodes
+    # have none of their own.
+    # They travel on the job's command line: prefer the nodes' own credential chain (an
+    # instance profile, a service account, a managed identity) for secrets.
+    env: dict[str, str] = field(default_factory=dict)
     # The project directory (where the launcher runs) goes to every node, up to this size.
     max_project_mb: float = 200.0
 
@@ -217,6 +226,11 @@ def validate(cfg: DictConfig) -> None:
          f"job.results={results}: a directory relative to the project, inside it")
     need(cfg.job.max_project_mb > 0,
          f"job.max_project_mb={cfg.job.max_project_mb}: must be positive")
+    if cfg.job.checkpoint_uri is not None:
+        problems += filter(None, [uri_problem(cfg.job.checkpoint_uri, "job.checkpoint_uri")])
+    problems += [f"job.env: {name}: not a variable's name (letters, digits and _, not first a "
+                 "digit), e.g. +job.env.STORAGE_EMULATOR_HOST=http://10.0.0.1:9023"
+                 for name in cfg.job.env if not re.fullmatch(r"[A-Za-z_]\w*", name)]
     if c.name == "aws_spot":
         problems += _aws_problems(c)
     elif c.name == "local":

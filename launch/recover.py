@@ -24,8 +24,8 @@ the same global batch, and with the world-size-invariant sample order it continu
 same sample sequence with the same steps (docs/design.md). At the start the launcher says
 on which node counts the job can go on (spotring.cli.check_command). A command resumes
 from its newest checkpoint (the trainer's resume=auto, or a script's job.restore());
-rank 0 keeps its checkpoints on node 0, and if node 0 itself is lost only
-job.checkpoint_uri=s3://... (the job's SPOTRING_CHECKPOINT_URI) keeps them.
+every rank keeps its part of each checkpoint on its node, and if a node is lost only
+job.checkpoint_uri=s3://, gs:// or az://... (the job's SPOTRING_CHECKPOINT_URI) keeps them.
 
 Each try is recorded in state.json ("tries": when it ran, on which nodes, how it ended,
 the step it reached and resumed from, the job's notice and checkpoint times), which
@@ -77,9 +77,10 @@ def supervise(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
     _say_node_counts(cfg, nodes)
     c = cfg.cluster
     if (c.max_restarts or c.max_preemptions) and not cfg.job.checkpoint_uri:
-        log.info("recover: unless the job keeps its checkpoints elsewhere itself, they stay "
-                 "on node 0: should node 0 be lost, the job starts over. "
-                 "job.checkpoint_uri=s3://bucket/prefix keeps them in S3 too")
+        log.info("recover: unless the job keeps its checkpoints elsewhere itself, each "
+                 "rank's part stays on its node: should a node be lost, the job starts over. "
+                 "job.checkpoint_uri=s3://, gs:// or az://bucket/prefix keeps them in a "
+                 "store too")
     budgets = {MAX_PREEMPTIONS: c.max_preemptions, MAX_RESTARTS: c.max_restarts}
     spent = dict.fromkeys(budgets, 0)
     try:

@@ -2,9 +2,9 @@
 
 The study lives in SWEEP_DIR/study.journal, Optuna's journal storage: an append-only
 log of every ask, report and tell, which a crash can cut short but never corrupt, and
-which needs no database server. With sweep.checkpoint_uri=s3://... it is also uploaded to
-URI/sweeps/NAME/study.journal at every start and end of a trial, and downloaded from
-there when the sweep directory is new (a sweep that resumes on another machine).
+which needs no database server. With sweep.checkpoint_uri (s3://, gs://, az://) it is
+also uploaded to URI/sweeps/NAME/study.journal at every start and end of a trial, and
+downloaded from there when the sweep directory is new (a sweep that resumes on another machine).
 """
 
 from __future__ import annotations

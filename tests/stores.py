@@ -1,5 +1,5 @@
-"""The object stores' emulators, started by the project's own files on free ports of
-127.0.0.1, each waited for until it answers HTTP and stopped at the end:
+"""The object stores' emulators, started by the project's own files on free ports, each
+waited for until it answers HTTP and stopped at the end:
 
     moto                  S3 (tests/aws.py's start_moto), the test extra's moto[server]:
                           AWS_ENDPOINT_URL
@@ -12,9 +12,12 @@
 
 Each session fixture (moto_s3, azurite, gcs_emulator) yields an Emulator: a bucket (a
 container) made there, and ``env(address)``, the environment that points a client at
-it, or at a relay in front of it (Relay). Nothing is set in this process's environment:
-a test sets what it needs (monkeypatch) or hands it to a process it starts. Every test
-sees these fixtures once tests/conftest.py says pytest_plugins = ["tests.stores"].
+it, or at a relay in front of it (Relay). Azurite and the GCS emulator listen on every
+address, so that the nodes of a local cluster or SLURM (network namespaces) reach them at
+the bridge's address: ``env((bridge, emulator.address[1]))``. Nothing is set in this
+process's environment: a test sets what it needs (monkeypatch) or hands it to a process
+it starts. Every test sees these fixtures once tests/conftest.py says
+pytest_plugins = ["tests.stores"].
 """
 
 from __future__ import annotations
@@ -140,7 +143,7 @@ def running_azurite(folder: Path) -> Iterator[Emulator]:
     port = free_port()
     # --skipApiVersionCheck: the current azure-storage-blob sends an API version newer
     # than Azurite knows; --loose: headers Azurite does not implement are ignored.
-    command = [str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(port),
+    command = [str(AZURITE), "--blobHost", "0.0.0.0", "--blobPort", str(port),
                "--location", str(folder), "--skipApiVersionCheck", "--loose", "--silent"]
     with running(command, f"http://127.0.0.1:{port}/{AZURITE_ACCOUNT}",
                  folder / "azurite.log", "Azurite"):
@@ -153,7 +156,7 @@ def running_azurite(folder: Path) -> Iterator[Emulator]:
 def running_gcs_emulator(folder: Path) -> Iterator[Emulator]:
     """gcp-storage-emulator, in memory, with bucket BUCKET."""
     port = free_port()
-    command = [str(GCS_EMULATOR), "start", "--host", "127.0.0.1", "--port", str(port),
+    command = [str(GCS_EMULATOR), "start", "--host", "0.0.0.0", "--port", str(port),
                "--default-bucket", BUCKET, "--in-memory"]
     with running(command, f"http://127.0.0.1:{port}/", folder / "gcs.log",
                  "gcp-storage-emulator"):

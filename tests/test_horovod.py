@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from spotring.checkpoint import newest_valid
+from spotring.exits import EXIT_PREEMPTED
 from spotring.launch.commands import local_command, local_environment
 from spotring.polling import poll
 from spotring.trainer.models import build_model
@@ -84,9 +85,13 @@ def test_accumulation_under_horovod_equals_the_larger_batch(train, ddp_2x32):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["horovodrun", "mpirun"])
-def test_a_killed_rank_ends_the_horovod_job_and_the_next_resumes_from_rank_0s_checkpoint(
-        tmp_path, launcher):
+@pytest.mark.parametrize("launcher, how", [("horovodrun", "KILL"), ("mpirun", "KILL"),
+                                          ("mpirun", "TERM")])
+def test_a_stopped_rank_ends_the_horovod_job_and_the_next_resumes_from_its_checkpoint(
+        tmp_path, launcher, how):
+    """A rank killed ends the job (not 0); a rank sent SIGTERM is a notice: Horovod's vote
+    stops every rank at one step with a checkpoint, and mpirun exits 75. Either way the
+    next job resumes from the newest checkpoint."""
     args = [f"hydra.run.dir={tmp_path}", *QUICK, "engine=horovod", "engine.timeout_s=20",
             "dataset=synthetic", "dataset.shape=[1,28,28]", "dataset.train_size=100000",
             "train.batch_size=16", "train.threads=1", "checkpoint.every_steps=2"]
@@ -105,12 +110,19 @@ def test_a_killed_rank_ends_the_horovod_job_and_the_next_resumes_from_rank_0s_ch
         workers = subprocess.run(["pgrep", "-f", "-n", worker], capture_output=True,
                                  text=True).stdout.split()
         assert workers and int(workers[-1]) != proc.pid, "no worker found"
-        subprocess.run(["kill", "-9", workers[-1]], check=True)
+        subprocess.run(["kill", f"-{how}", workers[-1]], check=True)
         code = proc.wait(timeout=60)  # bounds a failure: the job must end, not hang
+        output = proc.stdout.read()
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    assert code != 0
+    if how == "TERM":
+        stopped = json.loads((tmp_path / "preempted.json").read_text())["step"]
+        # A whole checkpoint of that step: every rank wrote its part there, at one step.
+        assert code == EXIT_PREEMPTED, output[-3000:]
+        assert newest_valid(tmp_path / "checkpoints").step == stopped, output[-3000:]
+    else:
+        assert code != 0
     # Only rank 0 holds the checkpoint; the others receive it.
     newest = newest_valid(tmp_path / "checkpoints").step
     resumed = run_trainer(tmp_path, *args[1:], f"train.max_steps={newest + 2}",

@@ -16,6 +16,7 @@ and read by several tests:
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import os
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from spotring.checkpoint import Checkpoints
 from spotring.exits import EXIT_CONFIG
 from spotring.launch.__main__ import main
 from spotring.launch.local import netns
@@ -48,6 +50,7 @@ from tests.launcher import (
     steps_on_node_0,
 )
 from tests.schedule import Schedule
+from tests.stores import environment
 from tests.sweeps import side_by_side, trial_dir
 
 WHY_NOT = netns_unavailable()
@@ -329,12 +332,15 @@ class BroughtUp:
 
 
 LAUNCHERS = {"torchrun": "torchrun", "mpirun": "mpi"}  # and what the job sees (runtime)
+GS_URI = "gs://spotring-tests/brought-up"
 
 
 @pytest.fixture(scope="module")
-def brought_up(venv, tmp_path_factory) -> BroughtUp:
+def brought_up(venv, tmp_path_factory, gcs_emulator) -> BroughtUp:
     """The runs with no launcher and the sweep's (torchrun) need the environment the
-    first run built; mpirun's (with Horovod's extras) another: it runs last."""
+    first run built; mpirun's (with Horovod's extras) another: it runs last. The run under
+    torchrun checkpoints to GCS too (its emulator, which the nodes reach at the bridge's
+    address, given them by job.env)."""
     tmp = tmp_path_factory.mktemp("up")
     root = project(tmp / "project")
     (root / "plain.py").write_text(user_script.PLAIN)
@@ -352,9 +358,13 @@ def brought_up(venv, tmp_path_factory) -> BroughtUp:
         schedule = Schedule(f"the nodes of run {up.run.id}",
                             lambda: "\n".join(out for _, out in up.said.values()))
         try:
-            with schedule.step("run under torchrun"):
+            with schedule.step("run under torchrun, its checkpoints in GCS"):
+                bridge = ipaddress.ip_interface(f"{up.run.nodes()[0].address}/24").network[1]
+                endpoint = gcs_emulator.env((str(bridge), gcs_emulator.address[1]))
                 spot("torchrun", "run", f"runs_dir={runs}", "job.launcher=torchrun",
-                     "job.results=runs/torchrun", "--", "python", "train.py", *STEPS)
+                     "job.results=runs/torchrun", f"job.checkpoint_uri={GS_URI}",
+                     *(f"+job.env.{k}={v}" for k, v in endpoint.items()),
+                     "--", "python", "train.py", *STEPS)
                 up.summaries["torchrun"] = json.loads((up.run.job / "summary.json").read_text())
             with schedule.step("run with no launcher: once per node"):
                 spot("none", "run", f"runs_dir={runs}", "job.launcher=none", "job.results=out",
@@ -389,6 +399,19 @@ def test_a_launcher_runs_the_command_on_the_nodes_up_brought_up(brought_up, alon
     summary = brought_up.summaries[launcher]
     assert (summary["world_size"], summary["launcher"]) == (2, LAUNCHERS[launcher])
     assert summary["weights"] == pytest.approx(alone["weights"], rel=1e-10)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+def test_job_checkpoint_uri_takes_every_ranks_part_to_the_store(brought_up, gcs_emulator,
+                                                                tmp_path):
+    """The run under torchrun checkpointed every 4 of its 30 steps to GCS: the newest
+    there is whole (every part checked against its manifest), with each node's rank's
+    part."""
+    with environment(gcs_emulator.env()):
+        newest = Checkpoints(tmp_path / "elsewhere", keep=1, uri=GS_URI).newest_valid()
+    ranks_parts = [name for name in newest.parts() if name.endswith(".distcp")]
+    assert newest.step == 28 and len(ranks_parts) == 2, newest.parts()
 
 
 @pytest.mark.slow

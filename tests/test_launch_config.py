@@ -58,6 +58,9 @@ def problems(*overrides: str) -> str:
     (["cluster.ssh_cidr='2001:db8::/32'"], "cluster.ssh_cidr=2001:db8::/32: the security group "
                                            "takes an IPv4 range"),
     (["cluster.ssh_cidr=0.0.0.0/1"], "cluster.ssh_cidr=0.0.0.0/1: would open SSH to a"),
+    (["job.checkpoint_uri=my-bucket/runs"], "job.checkpoint_uri=my-bucket/runs: expected "
+                                            "s3://bucket/prefix, gs://bucket/prefix"),
+    (["+job.env.MY-TOKEN=x"], "job.env: MY-TOKEN: not a variable's name"),
 ])
 def test_bad_input_is_named_with_what_is_valid(overrides, message):
     text = problems(*overrides)

@@ -158,14 +158,16 @@ def test_automatic_votes_grow_apart_on_fast_steps_and_a_sigterm_still_stops_all_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lost, how", [(1, "SIGKILL"), (0, "SIGKILL"), (1, "SIGSTOP")])
+@pytest.mark.parametrize("lost, how, engine", [(1, "SIGKILL", "fsdp"), (0, "SIGKILL", "ddp"),
+                                             (1, "SIGSTOP", "ddp")])
 def test_a_lost_rank_ends_the_others_with_69_naming_it_and_the_run_resumes(
-        tmp_path, reference, lost, how):
+        tmp_path, reference, lost, how, engine):
     """No notice, no goodbye: a rank killed (or hung, as a wedged GPU leaves it) at step 5
     ends the others within engine.timeout_s, naming it; the run then resumes from its
-    newest checkpoint, losing the steps since (every 2 steps here: step 4)."""
+    newest checkpoint, losing the steps since (every 2 steps here: step 4). Each engine's
+    collectives (FSDP's, DDP's allreduce over Gloo) meet a lost rank."""
     run_dir = tmp_path / "run"
-    with Ranks(run_dir, 2, workloads.residual, engine="fsdp", steps=STEPS, save_every=2,
+    with Ranks(run_dir, 2, workloads.residual, engine=engine, steps=STEPS, save_every=2,
                blocking=True, timeout_s=TIMEOUT_S, hold_at=5) as job:
         assert job.until(lambda: job.step() >= 5, "step 5")
         job.signal(lost, getattr(signal, how))

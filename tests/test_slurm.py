@@ -33,11 +33,13 @@ from spotring.exits import EXIT_CONFIG
 from spotring.launch import slurm as sbatch
 from spotring.launch.commands import local_environment
 from spotring.polling import poll
+from spotring.stores import open_store
 from tests import slurm, user_script
 from tests import test_examples as examples
 from tests.commands import call
 from tests.conftest import PARITY, QUICK, REPO, Run, assert_close, exclusive
 from tests.schedule import Schedule
+from tests.stores import environment
 from tests.sweeps import load, rows, run_sweep, trial_dir
 
 T = TypeVar("T")
@@ -85,13 +87,13 @@ class Job:
     run directory, RUN_DIR/slurm-JOBID.out."""
 
     def __init__(self, cluster: slurm.SlurmCluster, run_dir: Path, ours: tuple[str, ...],
-                 words: tuple[str, ...], cwd: Path) -> None:
+                 words: tuple[str, ...], cwd: Path, env: dict[str, str] | None = None) -> None:
         self.cluster, self.dir = cluster, run_dir
         cluster.wait_idle()  # all nodes free: a job of min_nodes=1 gets them all
         proc = subprocess.run(
             [sys.executable, "-m", "spotring", "sbatch", f"run_dir={run_dir}",
              "job_name=test", *SMALL, *ours, "--", *words], cwd=cwd, capture_output=True,
-            text=True, timeout=300, env=local_environment(**cluster.env))
+            text=True, timeout=300, env=local_environment(**cluster.env, **(env or {})))
         assert proc.returncode == 0, proc.stdout + proc.stderr
         self.id = int(re.search(r"submitted job (\d+)", proc.stdout)[1])
 
@@ -297,13 +299,18 @@ STEPS = ("--steps", "30", "--batch", "2", "--save-every", "4")
 
 @pytest.mark.slow
 def test_a_users_command_is_requeued_after_sigterm_and_ends_with_one_workers_weights(
-        cluster, tmp_path):
+        cluster, azurite, tmp_path):
+    """... with its checkpoints in Azure Blob too (Azurite, which the nodes reach at the
+    bridge's address): every rank uploads its part, with the environment of the
+    submission."""
     reference = user_script.reference(tmp_path / "ref", *STEPS)
     root = user_script.write_project(tmp_path / "project")  # train.py and nothing else
+    uri = azurite.uri("sbatch-users-command")
     # A time limit far off: the script reads the job's end and must not take this stop
     # for the time limit's.
-    job = Job(cluster, tmp_path / "job", ("nodes=2", "time=10"),
-              ("python", "train.py", *STEPS, "--sleep", "0.1"), root)
+    job = Job(cluster, tmp_path / "job", ("nodes=2", "time=10", f"checkpoint_uri={uri}"),
+              ("python", "train.py", *STEPS, "--sleep", "0.1"), root,
+              azurite.env((cluster.controller_addr, azurite.address[1])))
     try:
         job.wait_for_steps(1)  # training, from the project directory on shared storage
         cluster.run("scancel", "--signal=TERM", str(job.id))
@@ -320,6 +327,12 @@ def test_a_users_command_is_requeued_after_sigterm_and_ends_with_one_workers_wei
     assert (summary["launcher"], summary["world_size"], summary["steps"]) == ("slurm", 2, 30)
     assert_close({"w": torch.tensor(summary["weights"])},
                  {"w": torch.tensor(reference["weights"])}, rtol=1e-10)
+    with environment(azurite.env()):
+        uploaded = set(open_store(uri).names())
+    newest = Checkpoints(job.dir / "checkpoints", keep=1).found()[0]  # the final step's
+    ranks_parts = [name for name in newest.parts() if name.endswith(".distcp")]
+    assert {newest.name, *newest.parts()} <= uploaded and len(ranks_parts) == 2, (
+        sorted(uploaded), newest.parts())
 
 
 def test_the_dry_run_asks_for_cpus_and_memory_and_states_the_most_node_time(
@@ -378,8 +391,10 @@ def test_the_dry_run_asks_for_cpus_and_memory_and_states_the_most_node_time(
     (["nodes=4", "min_nodes=3"], ["train.global_batch=128"],
      ["a global batch of 128 samples cannot be split over 3 workers"]),
     (["nodes=1"], ["python", "missing.py"], ["missing.py: no such file"]),
+    (["nodes=1", "checkpoint_uri=ftp://host/x"], [],
+     ["checkpoint_uri=ftp://host/x: expected s3://bucket/prefix, gs://"]),
 ], ids=["no-sbatch", "tasks-per-gpu", "signal", "settings", "trainer-override", "node-range",
-        "missing-script"])
+        "missing-script", "checkpoint-uri"])
 def test_bad_input_exits_2_and_submits_nothing(cluster, tmp_path, monkeypatch, ours, trainer,
                                                says):
     monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])

@@ -7,7 +7,7 @@ Two sweeps, each run once and read by several tests:
     trainer_sweep   the built-in trainer's study of two objectives on MNIST: a grid of
                     2 learning rates (one diverges at once) x 2 widths
     script_sweep    a user's own script (tests/user_script.py) from its project
-                    directory, its study kept in S3 (a moto server), through a schedule
+                    directory, its study kept in GCS (its emulator), through a schedule
                     of faults: one trial's processes killed at its first checkpoint, then
                     the sweep itself killed while trials run, the same command again to
                     the end, and again on a machine that lost the sweep directory
@@ -24,7 +24,6 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-import boto3
 import pytest
 from optuna.trial import TrialState
 
@@ -33,9 +32,11 @@ from spotring.contract import CHECKPOINT_URI, RESTART, RUN_DIR, RUN_ID
 from spotring.exits import EXIT_CONFIG
 from spotring.launch.commands import local_environment
 from spotring.polling import poll
+from spotring.stores import open_store
 from spotring.sweep.__main__ import main as sweep_main
 from spotring.sweep.report import pareto_front
 from spotring.sweep.runner import PARAMS
+from tests import stores
 from tests.commands import call
 from tests.conftest import exclusive
 from tests.schedule import Schedule
@@ -147,7 +148,7 @@ WORDS = ("python", "train.py", "--steps", "30", "--save-every", "4", "--sleep", 
          "--lr", "{lr}", "--batch", "{batch}")
 SCRIPT = ("sweep=custom", "sweep.name=script", "sweep.trials=4", "sweep.parallel=2",
           "sweep.params.lr=interval(0.01,0.1)", "sweep.params.batch=choice(1,2)",
-          "sweep.objectives=[test_loss]", "sweep.checkpoint_uri=s3://spotring/team",
+          "sweep.objectives=[test_loss]", "sweep.checkpoint_uri=gs://spotring-tests/team",
           "--", *WORDS)
 
 
@@ -178,7 +179,8 @@ def checkpointed(sweep_dir: Path) -> int | None:
 
 
 @pytest.fixture(scope="module")
-def script_sweep(tmp_path_factory, s3) -> Swept:
+def script_sweep(tmp_path_factory, gcs_emulator) -> Swept:
+    gcs = gcs_emulator.env()
     tmp = tmp_path_factory.mktemp("script")
     project = write_project(tmp / "project")
     sweep_dir = project / "runs" / "sweeps" / "script"
@@ -186,7 +188,7 @@ def script_sweep(tmp_path_factory, s3) -> Swept:
     with exclusive():
         with open(output, "w") as out:
             first = subprocess.Popen(sweep_command(*SCRIPT), cwd=project, stdout=out,
-                                     stderr=subprocess.STDOUT, env=local_environment(**s3),
+                                     stderr=subprocess.STDOUT, env=local_environment(**gcs),
                                      start_new_session=True)
         schedule = Schedule("spotring sweep of train.py", output.read_text)
         try:
@@ -209,11 +211,11 @@ def script_sweep(tmp_path_factory, s3) -> Swept:
                             if t.state.is_finished()}
                 unfinished = {t.number for t in trials(sweep_dir, "script")} - finished
             with schedule.step("the same command again, to the study's end"):
-                second = run_sweep(*SCRIPT, cwd=project, env=s3)
+                second = run_sweep(*SCRIPT, cwd=project, env=gcs)
                 files = sorted(p.name for p in project.iterdir())
             with schedule.step("the same command where the sweep directory is gone"):
                 kept = shutil.move(sweep_dir, tmp / "finished")
-                elsewhere = run_sweep(*SCRIPT, cwd=project, env=s3)
+                elsewhere = run_sweep(*SCRIPT, cwd=project, env=gcs)
         finally:
             if first.poll() is None:
                 os.killpg(first.pid, signal.SIGKILL)
@@ -255,7 +257,7 @@ def test_a_trial_runs_the_command_with_its_values_and_the_contracts_variables(sc
     env = swept.victim_env
     assert (env[RUN_ID], env[RUN_DIR], env[RESTART]) == (
         f"script/{n:03d}", str(trial_dir(swept.ran_in, n)), "0")
-    assert env[CHECKPOINT_URI] == f"s3://spotring/team/sweeps/script/trials/{n:03d}"
+    assert env[CHECKPOINT_URI] == f"gs://spotring-tests/team/sweeps/script/trials/{n:03d}"
     assert json.loads(env[PARAMS]) == {"lr": float(params["lr"]), "batch": int(params["batch"])}
     assert swept.victim_command == command_of(params)
     # Its summary.json where its environment put it; the project holds nothing else new.
@@ -323,16 +325,18 @@ def test_the_best_trials_command_trains_it_again(script_sweep, alone):
 
 
 @pytest.mark.slow
-def test_with_a_checkpoint_uri_the_study_survives_the_loss_of_its_machine(script_sweep):
-    """Run again where the sweep directory is gone, the same command finds the study in S3
-    and trains nothing again."""
+def test_with_a_checkpoint_uri_the_study_survives_the_loss_of_its_machine(script_sweep,
+                                                                          gcs_emulator):
+    """Run again where the sweep directory is gone, the same command finds the study in
+    GCS (its emulator) and trains nothing again."""
     swept = script_sweep
-    keys = [o["Key"] for o in boto3.client("s3").list_objects_v2(
-        Bucket="spotring", Prefix="team/sweeps/script/")["Contents"]]
-    assert "team/sweeps/script/study.journal" in keys
+    with stores.environment(gcs_emulator.env()):
+        keys = open_store("gs://spotring-tests/team/sweeps/script").names()
+    assert "study.journal" in keys
     for n in range(4):  # each trial checkpointed to its own prefix
-        assert any(k.startswith(f"team/sweeps/script/trials/{n:03d}/ckpt-") for k in keys), keys
-    assert "the study from s3://spotring/team/sweeps/script/study.journal" in swept.elsewhere
+        assert any(k.startswith(f"trials/{n:03d}/ckpt-") for k in keys), keys
+    assert ("the study from gs://spotring-tests/team/sweeps/script/study.journal"
+            in swept.elsewhere)
     assert not re.search(r"trial \d+ (starts|resumes)", swept.elsewhere), swept.elsewhere
     assert [t.state for t in load(swept.ran_in, "script").trials] == [TrialState.COMPLETE] * 4
 
@@ -359,6 +363,7 @@ def test_with_a_checkpoint_uri_the_study_survives_the_loss_of_its_machine(script
      "the command's {batch}: no such param; valid: {lr}"),
     (["sweep=custom", "sweep.params.lr=interval(0.01,0.1)", "sweep.objectives=[val_loss]"],
      ["python", "train.py", "--lr", "{lr}"], "val_loss:min or val_loss:max"),
+    (["sweep.checkpoint_uri=gs:/bucket"], [], "sweep.checkpoint_uri=gs:/bucket: expected"),
 ])
 def test_bad_input_exits_2_naming_the_value_before_anything_exists(
         tmp_path, monkeypatch, overrides, trainer, named):

@@ -136,7 +136,12 @@ class Runner:
         if self.resume:
             frozen = study.trials[self.resume.popleft()]
             # Optuna has no public handle on a trial an earlier process asked for.
-            return optuna.trial.Trial(study, frozen._trial_id)
+            trial = optuna.trial.Trial(study, frozen._trial_id)
+            # A sweep killed inside study.ask leaves a trial without some of its values:
+            # they are sampled now; a value it has is kept (Trial._suggest returns it).
+            for p in self.plan.params:
+                trial._suggest(p.key, p.distribution)
+            return trial
         if len(study.trials) >= self.plan.trials:
             return None
         return study.ask({p.key: p.distribution for p in self.plan.params})

@@ -33,9 +33,11 @@ from spotring.exits import EXIT_CONFIG
 from spotring.launch.commands import local_environment
 from spotring.polling import poll
 from spotring.stores import open_store
+from spotring.sweep import config as sweep_config
 from spotring.sweep.__main__ import main as sweep_main
 from spotring.sweep.report import pareto_front
-from spotring.sweep.runner import PARAMS
+from spotring.sweep.runner import PARAMS, Runner
+from spotring.sweep.study import Study
 from tests import stores
 from tests.commands import call
 from tests.conftest import exclusive
@@ -339,6 +341,20 @@ def test_with_a_checkpoint_uri_the_study_survives_the_loss_of_its_machine(script
             in swept.elsewhere)
     assert not re.search(r"trial \d+ (starts|resumes)", swept.elsewhere), swept.elsewhere
     assert [t.state for t in load(swept.ran_in, "script").trials] == [TrialState.COMPLETE] * 4
+
+
+def test_a_trial_left_without_values_by_a_sweep_killed_inside_ask_gets_them_on_resume(
+        tmp_path, monkeypatch):
+    """Optuna's ask stores a new trial, then each of its values: a sweep killed in
+    between leaves a running trial with none. The next sweep samples them and runs it."""
+    monkeypatch.chdir(write_project(tmp_path / "project"))
+    overrides = [o for o in SCRIPT[:SCRIPT.index("--")] if "checkpoint_uri" not in o]
+    plan = sweep_config.plan(overrides, list(WORDS))
+    study = Study(plan, tmp_path, None)
+    study.study._storage.create_new_trial(study.study._study_id)  # what the kill left
+    trial = Runner(plan, study, [], tmp_path)._next()
+    assert trial.number == 0 and set(trial.params) == {"lr", "batch"}, trial.params
+    assert 0.01 <= trial.params["lr"] <= 0.1 and trial.params["batch"] in (1, 2)
 
 
 @pytest.mark.parametrize("overrides, trainer, named", [

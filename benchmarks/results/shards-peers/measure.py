@@ -6,14 +6,16 @@ S3 on loopback, side by side in one run.
     /tmp/peers-venv/bin/pip install torch==2.14.1 torchvision==0.29.1 webdataset==1.0.2 \\
         litdata==0.2.76 mosaicml-streaming==0.13.0 'moto[server]==5.2.5' boto3==1.44.5
     echo $PWD > /tmp/peers-venv/lib/python3.11/site-packages/spotring-repo.pth  # spotring
-    /tmp/peers-venv/bin/python benchmarks/results/shards-peers/measure.py         # ~25 min
+    /tmp/peers-venv/bin/python benchmarks/results/shards-peers/measure.py         # ~15 min
 
-The peers live in a virtualenv of their own, not the project's .venv; spotring is read
-from the checkout (the .pth), its `spotring shards write` command from .venv.
+A try on less: PEERS_SAMPLES=3000 PEERS_ROUNDS=1 PEERS_OUT=try.json (the first 3,000
+samples, the audit's stop scaled to 5 steps). The peers live in a virtualenv of their own,
+not the project's .venv; spotring is read from the checkout (the .pth).
 
 1. Conversion: MNIST (torchvision's files in data/) into each format in the bucket, each
-   image encoded as PNG by Pillow: `spotring shards write` (WebDataset reads the same tar
-   shards), LitData's optimize(), Mosaic's MDSWriter; ~1,000 samples a shard in each.
+   image encoded as PNG by Pillow, one process each, timed from its start to its end:
+   spotring.shards.write, the call behind `spotring shards write mnist` (WebDataset reads
+   the same tar shards), LitData's optimize(), Mosaic's MDSWriter; ~1,000 samples a shard.
 2. img/s: one rank reads one epoch from an empty cache, PNG decoded to a uint8 tensor by
    one function for all (spotring.shards.dataset.decode_image), global batch G = 192,
    2 loader workers; ROUNDS rounds, the libraries in turn (the machine's load weighs on
@@ -22,8 +24,10 @@ from the checkout (the .pth), its `spotring shards write` command from .venv.
    per access key: every reader process gets a key of its own. 1 rank: the img/s runs;
    2 ranks: one epoch, keys only (no decode), each rank its own cache (a node of its own).
 4. The audit: 2 ranks take K steps, "stop"; 3 ranks resume from rank 0's state by the
-   library's own state_dict/load_state_dict, to the end of the epoch; each global batch's
-   keys are compared with the uninterrupted 2-rank run's of 3.
+   library's own state_dict/load_state_dict, to the end of the epoch; the stitched
+   epoch's global batches (keys) are compared with those of the uninterrupted 2-rank run.
+   WebDataset has no state_dict: its resume starts the epoch again on 3 ranks and skips
+   the K steps taken (the usual stand-in, as Accelerate's skip_first_batches).
 
 Ranks are simulated one process at a time, each told its rank by the library's own
 settings: spotring.DataLoader(rank=, world_size=); WebDataset's RANK and WORLD_SIZE
@@ -34,7 +38,8 @@ skipped (maybe_init_dist), and each rank computes its partition alone, as it doe
 WebDataset has no reader for s3:// of its own (its users pipe `aws s3 cp`): a gopen
 handler here streams each shard with one boto3 GET.
 
-Into results.json here; the tables of results.md are written from it by hand.
+Into results.json here (after each part, so a run cut short keeps what it had); the
+tables of results.md are written from it by hand.
 """
 
 from __future__ import annotations
@@ -56,7 +61,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
-SPOTRING = REPO / ".venv/bin/spotring"  # the project's command, installed there
 BUCKET = "peers"
 LIBRARIES = ("spotring", "webdataset", "litdata", "mosaic")
 SAMPLES = int(os.environ.get("PEERS_SAMPLES", 60000))  # MNIST's training set; less: a try
@@ -64,8 +68,8 @@ PER_SHARD = 1000
 G = 192  # the global batch: 192 on 1 rank, 96 on 2, 64 on 3
 WORKERS = 2  # DataLoader workers per rank
 SEED = 0
-K = 100  # steps before the "stop" in the audit (of 312 in the epoch)
-ROUNDS = 2
+K = max(1, round(100 * SAMPLES / 60000))  # steps before the audit's "stop" (of 312)
+ROUNDS = int(os.environ.get("PEERS_ROUNDS", 5))
 # Each reader's cache (LitData's, Mosaic's local, spotring's cache_dir), emptied before
 # each process: every rank is a node of its own with the same path (LitData's state_dict
 # names it and refuses another).
@@ -105,8 +109,8 @@ class Counting:
 
 
 def serve() -> tuple[Counting, str]:
-    from moto.server import DomainDispatcherApplication, create_backend_app
     from moto.moto_server.werkzeug_app import MotoRequestHandler
+    from moto.server import DomainDispatcherApplication, create_backend_app
     from werkzeug.serving import make_server
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
@@ -128,25 +132,33 @@ def env(endpoint: str, key: str, rank: int = 0, world: int = 1) -> dict[str, str
         "TQDM_DISABLE": "1"}
 
 
+class Failed(RuntimeError):
+    """A child process that failed: the last lines of its stderr."""
+
+
 def child(job: dict, environ: dict[str, str]) -> dict:
     """This script run again as one process for ``job``, its cache empty; its answer."""
     shutil.rmtree(CACHE, ignore_errors=True)
     with tempfile.TemporaryDirectory() as scratch:
         answer = Path(scratch) / "answer.json"
-        subprocess.run([sys.executable, __file__, "child", json.dumps(job | {
-            "answer": str(answer)})], check=True, env=environ, cwd=REPO)
+        done = subprocess.run([sys.executable, __file__, "child", json.dumps(job | {
+            "answer": str(answer)})], env=environ, cwd=REPO, stderr=subprocess.PIPE, text=True)
         shutil.rmtree(CACHE, ignore_errors=True)
+        if done.returncode != 0:
+            lines = [line for line in done.stderr.splitlines() if "Warning" not in line
+                     and "warnings.warn" not in line]
+            raise Failed("\n".join(lines[-6:]))
         return json.loads(answer.read_text())
 
 
-def stored(prefix: str) -> tuple[int, int]:
-    """(objects, bytes) under s3://BUCKET/PREFIX."""
+def stored(prefix: str) -> tuple[int, int, int]:
+    """(objects, bytes, the largest object's bytes) under s3://BUCKET/PREFIX."""
     import boto3
 
     pages = boto3.client("s3").get_paginator("list_objects_v2").paginate(
         Bucket=BUCKET, Prefix=prefix + "/")
     sizes = [o["Size"] for page in pages for o in page.get("Contents", [])]
-    return len(sizes), sum(sizes)
+    return len(sizes), sum(sizes), max(sizes)
 
 
 # ------------------------------------------------------------------ the parts
@@ -155,25 +167,17 @@ def convert(endpoint: str) -> dict:
     """1: each format written into the bucket, the time of its process; WebDataset reads
     spotring's shards."""
     results = {}
-    start = time.perf_counter()  # spotring's command writes train, then test: its train line
-    command = subprocess.Popen([str(SPOTRING), "shards", "write", "mnist", f"s3://{BUCKET}/spotring",
-                                "--samples-per-shard", str(PER_SHARD), "--data-root", "data"],
-                               cwd=REPO, env=env(endpoint, "convert"), stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL, text=True)
-    lines = {}
-    for line in command.stdout:  # "s3://peers/spotring/train: 60000 samples in ..."
-        if found := re.search(r"/(train|test): \d+ samples", line):
-            lines[found.group(1)] = time.perf_counter() - start
-    assert command.wait() == 0
-    results["spotring"] = {"seconds": lines["train"], "seconds_train_and_test": lines["test"],
-                           "what": "spotring shards write mnist (tar shards, index.json)"}
-    for library in ("litdata", "mosaic"):
+    for library in ("spotring", "litdata", "mosaic"):
         start = time.perf_counter()
         child({"job": "convert", "library": library}, env(endpoint, "convert"))
         results[library] = {"seconds": time.perf_counter() - start}
+    results["spotring"]["what"] = "spotring.shards.write: tar shards and index.json"
+    results["litdata"]["what"] = "litdata.optimize(num_workers=1)"
+    results["mosaic"]["what"] = "streaming.MDSWriter"
     for library, prefix in (("spotring", "spotring/train"), ("litdata", "litdata"),
                             ("mosaic", "mosaic")):
-        results[library]["objects"], results[library]["bytes"] = stored(prefix)
+        objects, size, largest = stored(prefix)
+        results[library] |= {"objects": objects, "bytes": size, "largest_object": largest}
     return results
 
 
@@ -219,12 +223,12 @@ def audit(reference: list[list[str]], before: list[list[str]], after: list[list[
     stitched = before + after
     seen = collections.Counter(k for batch in stitched for k in batch)
     wanted = collections.Counter(k for batch in reference for k in batch)
-    same = sum(a == b for a, b in zip(stitched, reference))
+    same = sum(a == b for a, b in zip(stitched, reference, strict=False))
     return {
         "steps": len(stitched), "steps_uninterrupted": len(reference),
         "global_batches_equal": same,
         "global_batches_equal_after_resume": sum(
-            a == b for a, b in zip(after, reference[len(before):])),
+            a == b for a, b in zip(after, reference[len(before):], strict=False)),
         "duplicates": sum((seen - wanted).values()),  # taken more often than uninterrupted
         "skips": sum((wanted - seen).values()),  # taken less often
         "repeats_in_uninterrupted": sum(n - 1 for n in wanted.values() if n > 1),
@@ -243,26 +247,41 @@ def main() -> None:
                "settings": {"samples": SAMPLES, "samples_per_shard": PER_SHARD,
                             "global_batch": G, "loader_workers": WORKERS, "seed": SEED,
                             "audit_stop_after_steps": K, "rounds": ROUNDS}}
+    out = HERE / os.environ.get("PEERS_OUT", "results.json")
+
+    def save(done: str) -> None:  # after each part: a run cut short keeps what it had
+        results["done"] = done
+        out.write_text(json.dumps(results, indent=2, default=str))
+        print(f"{time.strftime('%H:%M:%S')} {done}", flush=True)
+
     results["convert"] = convert(endpoint)
     results["load_after_convert"] = os.getloadavg()
+    save("convert")
     results["rate_1_rank"] = rates(counting, endpoint)
     results["load_after_rates"] = os.getloadavg()
+    save("rates")
     results["bytes_2_ranks"], results["audit"] = {}, {}
     for library in LIBRARIES:
         state = tempfile.mktemp(suffix=".state")
         whole = epoch(counting, endpoint, library, 2, "uninterrupted")
-        stopped = epoch(counting, endpoint, library, 2, "stopped", steps=K, save=state)
-        resumed = epoch(counting, endpoint, library, 3, "resumed", state=state)
         results["bytes_2_ranks"][library] = [
             {"gets": r["gets"], "bytes": r["bytes"], "samples": sum(map(len, r["keys"]))}
             for r in whole["ranks"]]
-        results["audit"][library] = audit(global_batches(whole), global_batches(stopped),
-                                          global_batches(resumed))
+        stopped = epoch(counting, endpoint, library, 2, "stopped", steps=K, save=state)
+        try:
+            resumed = epoch(counting, endpoint, library, 3, "resumed", state=state)
+        except Failed as e:  # the library refuses the resume: its error
+            results["audit"][library] = {"resume_failed": str(e)}
+        else:
+            results["audit"][library] = audit(global_batches(whole), global_batches(stopped),
+                                              global_batches(resumed))
         results["audit"][library]["state"] = pickle.loads(Path(state).read_bytes())
         os.unlink(state)
-        print(library, results["audit"][library], flush=True)
+        print(library, {k: v for k, v in results["audit"][library].items() if k != "state"},
+              flush=True)
+        save(f"audit {library}")
     results["load_after"] = os.getloadavg()
-    (HERE / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    save("all")
     print(json.dumps({k: v for k, v in results.items() if k != "audit"}, indent=2, default=str))
 
 
@@ -329,7 +348,14 @@ def litdata_over_http() -> None:
 
 def run_convert(job: dict) -> dict:
     uri = f"s3://{BUCKET}/{job['library']}"
-    if job["library"] == "litdata":
+    if job["library"] == "spotring":  # `spotring shards write mnist`'s call, on SAMPLES
+        import torch
+
+        from spotring.shards import write
+
+        write(torch.utils.data.Subset(MNIST(), range(SAMPLES)), uri + "/train",
+              samples_per_shard=PER_SHARD, progress=False)
+    elif job["library"] == "litdata":
         from litdata import optimize
 
         litdata_over_http()
@@ -399,8 +425,10 @@ def loader(job: dict, cache: str):
         return data, data.state_dict
     import streaming
     import streaming.base.dataset
+    import streaming.base.util
 
-    streaming.base.dataset.maybe_init_dist = lambda: False  # one rank at a time: no barriers
+    for module in (streaming.base.dataset, streaming.base.util):  # one rank at a time:
+        module.maybe_init_dist = lambda: False  # no torch.distributed, no barriers
     streaming.base.util.clean_stale_shared_memory()
 
     class Columns(streaming.StreamingDataset):
@@ -422,7 +450,7 @@ def run_read(job: dict) -> dict:
     data, state_dict = loader(job, str(CACHE / job["library"]))
     keys, first, samples = [], None, 0
     skip = getattr(data, "skip", 0)
-    for step, (images, _, batch_keys) in enumerate(data):
+    for step, (_images, _, batch_keys) in enumerate(data):
         if step < skip:
             continue
         first = first or time.perf_counter() - start

@@ -2,7 +2,8 @@
 each store (spotring/stores/) to its emulator on 127.0.0.1 (tests/stores.py): the
 emulators' and the clients' speed on this machine, not the clouds'.
 
-    .venv/bin/python -m tests.store_transfer [--mb 1024] [--stores directory s3 az gs]
+    .venv/bin/python benchmarks/results/checkpoint-stores/transfer.py [--mb 1024] \
+        [--stores directory s3 az gs]
 
 One file of --mb MB (10^6 bytes) of random bytes is uploaded with Store.upload (parts
 of PART_BYTES), then read back with Store.read_range, PART_BYTES a request, one after
@@ -15,12 +16,21 @@ import argparse
 import contextlib
 import hashlib
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from spotring.stores import PART_BYTES, open_store
-from tests.stores import environment, running_azurite, running_gcs_emulator, running_moto
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the checkout, for tests/
+
+from tests.stores import (  # noqa: E402
+    environment,
+    running_azurite,
+    running_gcs_emulator,
+    running_moto,
+)
 
 RUNNING = {"s3": running_moto, "az": running_azurite, "gs": running_gcs_emulator}
 

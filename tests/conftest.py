@@ -1,8 +1,8 @@
 """Helpers to run the trainer as users do (real processes, real launchers) and read
 back what it leaves behind; and what the session's tests share across pytest-xdist's
-workers: the cores (``exclusive``: tests marked slow, which start several processes, run
-one at a time, whatever the number of workers) and the runs several test files compare
-with (``cached``: built once per session by the first worker that asks)."""
+workers: the cores (``cores``: a test marked slow holds one for each process it keeps
+busy, tests/cores.py) and the runs several test files compare with (``cached``: built
+once per session by the first worker that asks)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from spotring.checkpoint import Checkpoint, Checkpoints
 from spotring.checkpointer import load_whole
 from spotring.launch.commands import local_command, local_environment
 from spotring.trainer.config import compose
+from tests.cores import cores, share
 
 # The object stores' emulators (moto_s3, azurite, gcs_emulator), for every test.
 pytest_plugins = ["tests.stores"]
@@ -30,10 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 # Keep test runs short and their output readable.
 QUICK = ["telemetry.progress=false"]
 
-# The session's folder that every xdist worker sees, and the lock of its cores: set by
-# the session fixture below.
+# The session's folder that every xdist worker sees: set by the session fixture below.
 _SHARED: list[Path] = []
-_CORES: list[FileLock] = []
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -44,38 +43,33 @@ def shared_folder(tmp_path_factory) -> Path:
     folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
     folder.mkdir(exist_ok=True)
     _SHARED[:] = [folder]
-    _CORES[:] = [FileLock(folder / "cores.lock")]
+    share(folder)
     return folder
-
-
-def exclusive() -> FileLock:
-    """The machine's cores, for ``with exclusive():``: one holder at a time across the
-    session's workers (a file lock; it nests within a process). Jobs of several processes
-    on 2 cores run one at a time, so that none waits on another's CPU time and nothing
-    measured or awaited in them depends on what else runs."""
-    return _CORES[0]
 
 
 @pytest.fixture(autouse=True)
 def _cores_for_slow_tests(request) -> Iterator[None]:
-    """A test marked slow starts several processes: it holds the cores (exclusive)."""
-    if request.node.get_closest_marker("slow") is None:
+    """A test marked slow starts processes of its own: it holds the cores it says it
+    keeps busy, ``@pytest.mark.slow(cores=1)``, or all of them."""
+    marker = request.node.get_closest_marker("slow")
+    if marker is None:
         yield
         return
-    with exclusive():
+    with cores(marker.kwargs.get("cores")):
         yield
 
 
-def cached(name: str, build: Callable[[Path], object]) -> Path:
+def cached(name: str, build: Callable[[Path], object], n_cores: int | None = None) -> Path:
     """The session's folder ``name``, which ``build(folder)`` fills the first time any
-    worker asks (holding the cores); the others wait for it and read it. A build that
-    fails leaves nothing, and the next one to ask tries again."""
+    worker asks (holding ``n_cores`` of the cores: the processes the build keeps busy);
+    the others wait for it and read it. A build that fails leaves nothing, and the next
+    one to ask tries again."""
     folder = _SHARED[0] / name
     if (folder / ".built").exists():
         return folder
     # The cores first, then the name: the order every taker of both keeps (a slow test
     # holds the cores already), so that two workers never wait on each other.
-    with exclusive(), FileLock(_SHARED[0] / f"{name}.lock"):
+    with cores(n_cores), FileLock(_SHARED[0] / f"{name}.lock"):
         if not (folder / ".built").exists():
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir()
@@ -119,7 +113,7 @@ def run_trainer(run_dir: Path, *overrides: str, launcher: str = "single", nproc:
     tests/ranks.py, where no launcher is what the test is about: the trainer's ranks
     start in milliseconds instead of importing torch and Hydra each), to its end."""
     args = [f"hydra.run.dir={run_dir}", *QUICK, *overrides]
-    with exclusive():
+    with cores(nproc):
         if launcher == "spawned":
             proc = _spawned(run_dir, nproc, args, timeout, env or {})
         else:
@@ -152,7 +146,7 @@ def cached_trainer_run(name: str, *overrides: str, **kwargs) -> Run:
         run = run_trainer(folder / "run", *overrides, **kwargs)
         (folder / "output.txt").write_text(run.output)
 
-    folder = cached(name, build)
+    folder = cached(name, build, kwargs.get("nproc", 1))
     output = (folder / "output.txt").read_text()
     return Run(folder / "run", subprocess.CompletedProcess([], 0, output, ""))
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from spotring.launch import project
+from tests.cores import cores
 
 REPO = Path(__file__).resolve().parents[1]
 # The wheels built, one folder for each state of the files; shared by pytest-xdist's
@@ -43,14 +44,15 @@ def spotring_venv(dest: Path) -> Path:
     2 s, once the wheel is built)."""
     started = time.monotonic()
     python = Path(sys.executable)  # .venv's (`make test`)
-    subprocess.run([python, "-m", "venv", "--without-pip", dest], check=True, timeout=120)
-    site = Path(subprocess.run(
-        [dest / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()"
-         "['purelib'])"], check=True, capture_output=True, text=True).stdout.strip())
-    (site / "spotring-borrowed.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([python, "-m", "pip", "--python", dest / "bin" / "python", "install",
-                    "--no-deps", "--force-reinstall", "-q", checkout_wheel()], check=True,
-                   timeout=300)
+    with cores(1):
+        subprocess.run([python, "-m", "venv", "--without-pip", dest], check=True, timeout=120)
+        site = Path(subprocess.run(
+            [dest / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()"
+             "['purelib'])"], check=True, capture_output=True, text=True).stdout.strip())
+        (site / "spotring-borrowed.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+        subprocess.run([python, "-m", "pip", "--python", dest / "bin" / "python", "install",
+                        "--no-deps", "--force-reinstall", "-q", checkout_wheel()], check=True,
+                       timeout=300)
     log.info("spotring_venv: %s in %.1f s", dest, time.monotonic() - started)
     return dest
 

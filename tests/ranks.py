@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from spotring.contract import RUN_DIR
+from tests.cores import cores
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 # What every rank needs, imported once in the server that forks them (before it starts:
@@ -164,7 +165,7 @@ class Ranks:
 def run(run_dir: Path, world_size: int, target: Callable[..., Any], *, expect: int = 0,
         timeout: float = 300, env: dict[str, str] | None = None, **kwargs: Any) -> str:
     """The ranks run to their end, each exiting ``expect``; their output."""
-    with Ranks(run_dir, world_size, target, env=env, **kwargs) as job:
+    with cores(world_size), Ranks(run_dir, world_size, target, env=env, **kwargs) as job:
         codes = job.wait(timeout)
         output = job.output()
     assert codes == [expect] * world_size, f"exit codes {codes}:\n{output[-5000:]}"

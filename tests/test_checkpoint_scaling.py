@@ -50,7 +50,7 @@ def test_the_quick_benchmark_runs_end_to_end(tmp_path):
     assert f"stall over a blocking one's: {section['stall_ratio']['stall']:.3f}x" in report
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 def test_the_notice_budget_is_the_margin_left_of_ec2_s_notice(tmp_path):
     pytest.importorskip("moto.server")
     folder = tmp_path / "run"

@@ -21,7 +21,7 @@ def _note(run) -> dict:
     return json.loads((run.dir / DIVERGED).read_text())
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 @pytest.mark.parametrize("max_steps, log_every, kind, step", [
     (30, 5, "train", 5),  # caught at the first log line, after its allreduce
     (5, 100, "test", 5),  # no log line: the final test

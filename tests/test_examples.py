@@ -33,6 +33,7 @@ from spotring.exits import EXIT_PREEMPTED
 from spotring.launch.commands import BIN, local_environment
 from spotring.sampler import epoch_order
 from tests.conftest import REPO, assert_close
+from tests.cores import cores
 
 EXAMPLES = REPO / "examples"
 # 2 classes x 48 training images: 6 steps of 16 per epoch, 18 in all; every global batch
@@ -81,7 +82,7 @@ def started(launcher: str, nproc: int, data: Path, out: Path, *extra: str,
 def run(launcher: str, nproc: int, data: Path, out: Path, *extra: str,
         script: str = "train.py") -> Path:
     """Run an example to its end (exit 0); returns its weights.pt."""
-    with started(launcher, nproc, data, out, *extra, script=script) as proc:
+    with cores(nproc), started(launcher, nproc, data, out, *extra, script=script) as proc:
         output, _ = proc.communicate(timeout=TIMEOUT)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{output[-6000:]}"
     return out / "weights.pt"

@@ -137,7 +137,7 @@ def sweep_runs(code: int, tmp_path: Path, monkeypatch) -> int:
     return trial.user_attrs["starts"]
 
 
-@pytest.mark.slow  # the sweep's trials and the batch scripts are real processes
+@pytest.mark.slow(cores=1)  # the sweep's trials and the batch scripts are real processes
 @pytest.mark.parametrize("code", CODES)
 def test_every_launcher_runs_a_job_again_as_the_policy_table_says(code, tmp_path, monkeypatch):
     expected = {launcher.name: runs_by_the_policy(launcher, code) for launcher in LAUNCHERS}

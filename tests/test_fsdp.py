@@ -28,6 +28,7 @@ from spotring.runtime import Launch
 from spotring.trainer.data import evaluation_batches
 from spotring.trainer.validation import validate
 from tests.conftest import REPO, compose_config
+from tests.cores import cores
 from tests.fsdp_train import STEPS, Block, Net
 
 TOLERANCE = 1e-10  # the largest |difference| of any weight, float64
@@ -38,8 +39,9 @@ def train(out: Path, *args: str, nproc: int = 1) -> dict:
     rank 0 saved."""
     command = local_command("torchrun" if nproc > 1 else "single", nproc, [str(out), *args],
                             module="tests.fsdp_train")
-    proc = subprocess.run(command, cwd=REPO, env=local_environment(), capture_output=True,
-                          text=True, timeout=300)
+    with cores(nproc):
+        proc = subprocess.run(command, cwd=REPO, env=local_environment(), capture_output=True,
+                              text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return torch.load(out, weights_only=True)
 

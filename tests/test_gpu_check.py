@@ -131,7 +131,7 @@ def test_the_kits_pytest_says_each_test_as_it_starts_and_ends_and_the_kit_rows_t
     assert rows[2].summary == "assert (1 + 1) == 3" and "def test_fails" in rows[2].figures["error"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 def test_sigterm_in_the_middle_of_a_test_stops_the_kit_and_every_process_it_started(
         tmp_path, kit):
     out, mark = tmp_path / "out", uuid.uuid4().hex
@@ -374,7 +374,7 @@ def python_with_torch_alone(tmp_path: Path) -> Path:
     return python
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 def test_the_bundle_is_all_the_kit_and_the_trainer_need_beside_torch(tmp_path, kit_start):
     # The bundle for this Python (the bundle proper is for the GPU machine's 3.12): the
     # list's wheels from the package index, and spotring's own.

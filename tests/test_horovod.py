@@ -131,7 +131,7 @@ def test_a_stopped_rank_ends_the_horovod_job_and_the_next_resumes_from_its_check
     assert resumed.summary["steps"] == newest + 2
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 def test_engine_horovod_without_horovod_says_how_to_build_it(tmp_path):
     # Shadow the installed Horovod with an empty package: `import horovod.torch` then
     # fails exactly as on a machine where it was never built.

@@ -108,7 +108,7 @@ def only_run(tmp_path) -> RunDir:
 # --------------------------------------------------------------------- the command line
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 def test_up_status_cost_down(cli, tmp_path):
     up = cli("up", "nodes=2", "cluster.instance_types=[g5.12xlarge]",
              "cluster.instance_profile=spotring-nodes")
@@ -218,7 +218,7 @@ def test_launch_takes_everything_down_after_an_error(cli, tmp_path):
     assert tagged(run.id) == {}
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 def test_launch_takes_everything_down_on_ctrl_c(aws, tmp_path):
     # The job "hangs" until Ctrl-C, in the stand-in ssh, which says when it is there.
     called = tmp_path / "ssh-called"
@@ -243,7 +243,7 @@ def test_launch_takes_everything_down_on_ctrl_c(aws, tmp_path):
     assert tagged(run.id) == {}
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 def test_dry_run_calls_no_api(tmp_path):
     # No credentials and no endpoint: any AWS call would fail.
     home, runs = tmp_path / "home", tmp_path / "runs"
@@ -289,7 +289,7 @@ def test_bad_input_fails_before_any_resource_exists(aws, tmp_path, overrides, me
     assert_nothing_in_moto(tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 def test_no_credentials_fail_before_any_resource_exists(aws, tmp_path):
     """The command as users type it, in a process of its own."""
     proc = launcher("up", f"runs_dir={tmp_path / 'runs'}", *MOTO_CLUSTER, "nodes=2",

@@ -37,7 +37,7 @@ from spotring.launch.local import netns
 from spotring.launch.rundir import RunDir
 from tests import user_script
 from tests.commands import call
-from tests.conftest import exclusive
+from tests.cores import cores
 from tests.installed import spotring_venv
 from tests.launcher import (
     Followed,
@@ -180,7 +180,7 @@ def recovered(venv, tmp_path_factory) -> Recovered:
     (node 2, the one spare) killed whole once a periodic checkpoint followed the resume;
     then no node left to replace it, and cluster.min_nodes=1."""
     tmp = tmp_path_factory.mktemp("recovered")
-    with exclusive():
+    with cores():
         followed = launch(venv, project(tmp / "project"), tmp / "runs",
                           "cluster.min_nodes=1", "cluster.max_preemptions=1",
                           "cluster.max_restarts=1", f"cluster.price={PRICE}",
@@ -351,7 +351,7 @@ def brought_up(venv, tmp_path_factory, gcs_emulator) -> BroughtUp:
         up.said[step] = (code, out)
         assert step in ("fails", "down") or code == 0, out
 
-    with exclusive():
+    with cores():
         code, out = spotring(venv, root, "up", f"runs_dir={runs}", "cluster=local", "nodes=2")
         assert code == 0, out
         up = BroughtUp(RunDir.find(runs, None))

@@ -108,7 +108,7 @@ def points(calls: list[str]) -> list[tuple[int, str]]:
     return [(n, in_turn(i)) for i, n in enumerate(sorted(chosen))]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 def test_an_outage_of_any_call_leaves_nothing_that_down_cannot_remove(spotring, proxy, calls):
     """After each: a non-zero exit and a line that says why; and what is left, if
     anything, named with the command that removes it, which then does."""

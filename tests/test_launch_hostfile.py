@@ -86,7 +86,7 @@ def test_the_job_command_of_each_launcher():
                             for i in (0, 1)}
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 @needs_horovod
 def test_the_trainers_exit_code_comes_through_horovodrun(tmp_path):
     # horovodrun itself exits 1 whatever its ranks did; the launcher reads the rank's code
@@ -101,7 +101,7 @@ def test_the_trainers_exit_code_comes_through_horovodrun(tmp_path):
     assert job.exit_code(0, "") == 0
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 def test_a_preemption_under_torchrun_is_told_by_rank_0s_note(tmp_path):
     # torchrun exits 1 when a worker exits 75; rank 0's preempted.json (brought back by
     # `run`) is what says the job was preempted rather than failed.

@@ -19,7 +19,8 @@ from spotring.launch import config
 from spotring.launch.local.provider import LocalCluster
 from spotring.launch.rundir import RunDir
 from spotring.launch.ssh import RemoteError, Ssh, new_key, scan_host_keys
-from tests.conftest import REPO, exclusive
+from tests.conftest import REPO
+from tests.cores import cores
 from tests.launcher import (
     launcher,
     leftovers,
@@ -84,7 +85,7 @@ def test_the_docs_show_the_command_the_test_runs(page):
 def documented():
     """The documented command run to its end; its process and run, for the tests to read;
     then the run's directory, in the checkout's runs/launch, removed: it is the test's."""
-    with exclusive():
+    with cores():
         proc = subprocess.run(README_COMMAND, shell=True, cwd=REPO, capture_output=True,
                               text=True, timeout=900)
     run = run_dir_of(proc.stdout)
@@ -131,7 +132,7 @@ def test_the_documented_make_launch_trains_mnist_across_two_local_nodes(document
     assert summary["engine"] == "ddp" and summary["test_accuracy"] > 0.9
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 def test_down_leaves_nothing_and_says_so_when_asked_again(documented):
     proc, run = documented
     assert f"down: done; nothing of run {run.id} is left" in proc.stdout

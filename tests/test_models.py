@@ -104,7 +104,7 @@ def test_l1_penalty_sums_weights_not_biases():
     assert l1_penalty(net).item() == pytest.approx(3.0)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 def test_resnet20_with_augmentation_trains_on_cifar_sized_images(tmp_path):
     # CIFAR-10's files themselves are read in test_data.py: the published ones are 170 MB
     # from the internet, and torchvision refuses any other copy.

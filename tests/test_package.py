@@ -23,7 +23,7 @@ import pytest
 from tests.conftest import QUICK, REPO
 from tests.installed import checkout_wheel, spotring_venv
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(cores=1)
 
 NOT_FOR_USERS = ("moto", "matplotlib", "pytest")
 # The user's own modules, named as spotring's folders are in the repository.
@@ -96,6 +96,7 @@ def test_spotring_train_alone(installed, tmp_path):
     assert summary["steps"] == 4 and 0 < summary["test_accuracy"] <= 1
 
 
+@pytest.mark.slow
 def test_spotring_train_under_torchrun(installed, tmp_path):
     run_dir = tmp_path / "run"
     proc = user(installed, "torchrun", "--standalone", "--nproc-per-node", "2", "--no-python",

@@ -203,7 +203,7 @@ def test_fp16_scaler_unscales_and_skips_overflowing_steps_under_ddp():
                                                    torch.device("cpu"))))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 def test_fp16_scaler_follows_horovods_synchronize_pattern():
     # In a process of its own: Horovod's threads stay out of pytest's. Warnings are
     # errors, so Horovod's "step() called without skip_synchronize()" would fail it.

@@ -34,7 +34,7 @@ def alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 def test_a_process_is_killed_with_the_ranks_it_started_in_sessions_of_their_own():
     launcher = processes.start([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE,
                                text=True)
@@ -62,7 +62,7 @@ STOPPED = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 def test_once_stopped_everything_under_the_process_is_killed_and_nothing_starts():
     # In a process of its own: the latch is the process's, and pytest's must stay open.
     done = subprocess.run([sys.executable, "-c", STOPPED, LAUNCHER], capture_output=True,

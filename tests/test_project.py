@@ -162,7 +162,7 @@ def test_wheel_of_this_checkout(tmp_path):
     assert "trainer = spotring.trainer:COMMANDS" in entry_points
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 def test_spotring_from_a_pip_install(tmp_path):
     """spotring_venv's environment runs the wheel's spotring; a wheel launch/wheel.py
     builds there (from site-packages) holds the same code, and a pip install of the one

@@ -37,7 +37,8 @@ from spotring.stores import open_store
 from tests import slurm, user_script
 from tests import test_examples as examples
 from tests.commands import call
-from tests.conftest import PARITY, QUICK, REPO, Run, assert_close, exclusive
+from tests.conftest import PARITY, QUICK, REPO, Run, assert_close
+from tests.cores import cores
 from tests.schedule import Schedule
 from tests.stores import environment
 from tests.sweeps import load, rows, run_sweep, trial_dir
@@ -184,7 +185,7 @@ def requeued(cluster, tmp_path_factory) -> Iterator[Requeued]:
        checkpoints and exits 75;
     3. node-1 drained, and its rank SIGKILLed (137): the job comes back on node-0 alone,
        with the global batch it was pinned to, and runs to its end."""
-    with exclusive():
+    with cores():
         job = Job(cluster, tmp_path_factory.mktemp("requeued") / "job",
                   ("nodes=2", "min_nodes=1", "partition=low"), JOB, REPO)
         schedule = Schedule(f"sbatch job {job.id}", job.log)
@@ -408,7 +409,7 @@ def test_bad_input_exits_2_and_submits_nothing(cluster, tmp_path, monkeypatch, o
     assert cluster.run("squeue", "--noheader").stdout == queued and not run_dir.exists()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 def test_a_partition_slurm_refuses_exits_2_from_the_command_and_submits_nothing(cluster,
                                                                                 tmp_path):
     """The command as users type it, in a process of its own: SLURM's own verdict

@@ -40,7 +40,7 @@ from spotring.sweep.runner import PARAMS, Runner
 from spotring.sweep.study import Study
 from tests import stores
 from tests.commands import call
-from tests.conftest import exclusive
+from tests.cores import cores
 from tests.schedule import Schedule
 from tests.sweeps import (
     attempts,
@@ -71,7 +71,7 @@ SEARCHED = ("optim.lr=choice(0.05,10000)", "model.hidden=choice(16,64)")
 @pytest.fixture(scope="module")
 def trainer_sweep(tmp_path_factory) -> Path:
     sweep_dir = tmp_path_factory.mktemp("trainer") / "sweep"
-    with exclusive():
+    with cores():
         run_sweep(f"sweep.dir={sweep_dir}", "sweep=custom", "sweep.name=width",
                   "sweep.parallel=2", "sweep.sampler=grid",
                   "sweep.objectives=[test_accuracy,parameter_mb]", "--", *FIXED, *SEARCHED)
@@ -187,7 +187,7 @@ def script_sweep(tmp_path_factory, gcs_emulator) -> Swept:
     project = write_project(tmp / "project")
     sweep_dir = project / "runs" / "sweeps" / "script"
     output = tmp / "sweep.out"
-    with exclusive():
+    with cores():
         with open(output, "w") as out:
             first = subprocess.Popen(sweep_command(*SCRIPT), cwd=project, stdout=out,
                                      stderr=subprocess.STDOUT, env=local_environment(**gcs),
@@ -267,7 +267,7 @@ def test_a_trial_runs_the_command_with_its_values_and_the_contracts_variables(sc
     assert swept.project_files == ["runs", "train.py"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 def test_a_killed_trial_resumes_from_its_checkpoint_and_ends_as_if_never_stopped(
         script_sweep, alone):
     swept, n = script_sweep, script_sweep.victim
@@ -314,7 +314,7 @@ def test_the_report_shows_each_trials_values_summary_and_restarts(script_sweep):
     assert swept.victim in restarted and restarted & swept.unfinished, table
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 def test_the_best_trials_command_trains_it_again(script_sweep, alone):
     swept = script_sweep
     best = load(swept.dir, "script").best_trial
@@ -391,7 +391,7 @@ def test_bad_input_exits_2_naming_the_value_before_anything_exists(
     assert not sweep_dir.exists()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 def test_the_command_exits_2_on_bad_input_before_anything_exists(tmp_path):
     """`spotring sweep` as users type it, in a process of its own."""
     sweep_dir = tmp_path / "sweep"

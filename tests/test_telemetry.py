@@ -57,7 +57,7 @@ def test_tensorboard_and_metrics_hold_every_scalar_written_by_rank_0_only(train)
         "tensorboard", "train.log"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 def test_summary_has_what_users_and_benchmarks_read(train):
     run = train("run", *SMALL, "train.max_steps=7")
     summary = run.summary

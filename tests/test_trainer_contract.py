@@ -48,7 +48,7 @@ def checkpoint_objects(step: int, uri: str, tmp_path) -> list[str]:
     return sorted([manifest_name(step), *found.parts()])
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 def test_the_run_directory_is_the_contracts_and_a_restart_continues_in_it(tmp_path):
     run_dir = tmp_path / "run"
     first = train(tmp_path, **{contract.RUN_DIR: str(run_dir)})

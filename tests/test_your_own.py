@@ -95,7 +95,7 @@ def own(builders):
     return _run
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)
 def test_your_own_model_and_data_train_and_the_summary_names_them(own, tmp_path):
     run = own("run", MODEL, "+model.width=7", DATA, "+dataset.train_size=96", "train.seed=5")
     summary = run.summary

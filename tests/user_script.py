@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.cores import cores
+
 TRAIN_PY = '''\
 import argparse
 import time
@@ -100,8 +102,9 @@ def reference(tmp: Path, *args: str) -> dict:
     """summary.json of the script run alone, uninterrupted, with ``args``."""
     project = write_project(tmp)
     out = tmp / "reference"
-    proc = subprocess.run([sys.executable, "train.py", *args], cwd=project, text=True,
-                          capture_output=True, env={"SPOTRING_RUN_DIR": str(out),
-                                                    "PATH": "/usr/bin:/bin"}, timeout=300)
+    with cores(1):
+        proc = subprocess.run([sys.executable, "train.py", *args], cwd=project, text=True,
+                              capture_output=True, env={"SPOTRING_RUN_DIR": str(out),
+                                                        "PATH": "/usr/bin:/bin"}, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((out / "summary.json").read_text())

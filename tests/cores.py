@@ -1,0 +1,88 @@
+"""The machine's cores, shared by the session's pytest-xdist workers as tokens, one per
+core: a test holds one token for each process it keeps busy, so that the processes of
+the tests running side by side never outnumber the cores. Nothing measured or awaited in
+a job then waits on another test's CPU time, and a one-process test still runs beside
+another instead of leaving a core idle.
+
+    with cores(2):          # a job of 2 ranks
+        ...
+
+An autouse fixture of tests/conftest.py holds them for every test marked slow
+(``@pytest.mark.slow``: all of them; ``@pytest.mark.slow(cores=1)``: one); the helpers
+that start processes take their own, which inside a test's hold costs nothing.
+
+The tokens are file locks in the session's shared folder. A taker holds a gate while it
+gathers its tokens, so that a job waiting for every core is not overtaken for ever by
+one-process tests, and two takers never hold part of what each other waits for.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+# How often a taker looks again for a free token (filelock's own poll interval).
+_POLL_S = 0.05
+
+
+class Cores:
+    """``count`` tokens under ``folder``, taken with ``hold(n)``."""
+
+    def __init__(self, folder: Path, count: int | None = None):
+        count = count or len(os.sched_getaffinity(0))
+        self.count = count
+        self._gate = FileLock(folder / "cores.gate")
+        self._tokens = [FileLock(folder / f"core-{i}.lock") for i in range(count)]
+        self._held: list[FileLock] = []
+
+    @contextmanager
+    def hold(self, n: int) -> Iterator[None]:
+        """Hold ``n`` tokens (at most all) while the block runs. Inside a holder of this
+        process, a block asking for no more than is held runs at once; one asking for
+        more is a test that says it needs fewer cores than it uses: RuntimeError."""
+        n = min(n, self.count)
+        if self._held:
+            if n > len(self._held):
+                raise RuntimeError(
+                    f"this test holds {len(self._held)} of the {self.count} cores and asks "
+                    f"for {n}: mark it slow(cores={n})")
+            yield
+            return
+        try:
+            with self._gate:
+                while len(self._held) < n:
+                    for token in self._tokens:
+                        if token not in self._held and len(self._held) < n:
+                            try:
+                                token.acquire(timeout=0)
+                            except Timeout:
+                                continue
+                            self._held.append(token)
+                    if len(self._held) < n:
+                        time.sleep(_POLL_S)
+            yield
+        finally:
+            for token in self._held:
+                token.release()
+            self._held.clear()
+
+
+# The session's tokens: set by tests/conftest.py's session fixture, in every xdist worker.
+_SESSION: list[Cores] = []
+
+
+def share(folder: Path) -> None:
+    """The session's tokens are in ``folder`` (the one every xdist worker sees)."""
+    _SESSION[:] = [Cores(folder)]
+
+
+def cores(n: int | None = None):
+    """``with cores(n):`` holds ``n`` of the machine's cores (default: all) across the
+    session's workers: a job of n processes, which no other test's processes then slow
+    down."""
+    return _SESSION[0].hold(n or _SESSION[0].count)

@@ -9,9 +9,10 @@ NPROC  ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ "$$n" -gt 0 ] && ec
 ENGINE ?= ddp
 ARGS   ?=
 PYTEST_ARGS ?=
-# Test files run two at a time: one at a time, the suite keeps the 2 cores about 57%
-# busy (its processes wait for timeouts, start-ups and launchers). loadfile keeps a
-# file's tests, and the runs they share, on one worker. TEST_JOBS=0: one at a time.
+# Test files run two at a time: one at a time, the suite keeps the 2 cores about 60%
+# busy (its processes wait for timeouts, start-ups and launchers). The cores' tokens
+# (tests/cores.py) decide which tests share them. loadfile keeps a file's tests, and the
+# runs they share, on one worker. TEST_JOBS=0: one at a time.
 TEST_JOBS ?= 2
 # make bench QUICK=1: the few-minutes run; make report RUN=name: a benchmarks/results
 # folder (default: the newest).

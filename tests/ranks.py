@@ -57,7 +57,10 @@ def free_port() -> int:
 def _rank(env: dict[str, str], log: str, target: Callable[..., Any],
           kwargs: dict[str, Any]) -> None:
     """A rank's process: its environment and output file, then the workload. Its exit
-    code is the workload's (sys.exit), or 1 with the traceback in its output."""
+    code is the workload's (sys.exit), or 1 with the traceback in its output. It leads a
+    process group of its own, as a rank on a node of its own would, so that what it starts
+    (DataLoader workers) ends with it."""
+    os.setsid()
     os.environ.clear()
     os.environ.update(env)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -109,11 +112,14 @@ class Ranks:
         self.kill()
 
     def kill(self) -> None:
-        """SIGKILL every rank still running, and reap them all."""
+        """SIGKILL every rank still running and what each started (its process group: a
+        rank killed alone leaves its DataLoader workers behind), and reap them all."""
         for process in self.processes:
-            if process.is_alive():
+            if process.is_alive():  # should it not lead its group yet
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # a group's id stays its own
+                os.killpg(process.pid, signal.SIGKILL)
         for process in self.processes:
             process.join(timeout=30)
 

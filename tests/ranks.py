@@ -61,6 +61,10 @@ def _rank(env: dict[str, str], log: str, target: Callable[..., Any],
     process group of its own, as a rank on a node of its own would, so that what it starts
     (DataLoader workers) ends with it."""
     os.setsid()
+    # A process forked from a forkserver starts its own children through one (its
+    # DataLoader workers: a forkserver of the rank's, which a SIGKILLed rank leaves behind
+    # with them): give it the start method a fresh interpreter has, as under torchrun.
+    multiprocessing.set_start_method(None, force=True)
     os.environ.clear()
     os.environ.update(env)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

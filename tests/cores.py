@@ -31,26 +31,28 @@ _POLL_S = 0.05
 
 
 class Cores:
-    """``count`` tokens under ``folder``, taken with ``hold(n)``."""
+    """A token under ``folder`` for each core this process may run on, taken with
+    ``hold(n)``."""
 
-    def __init__(self, folder: Path, count: int | None = None):
-        count = count or len(os.sched_getaffinity(0))
-        self.count = count
+    def __init__(self, folder: Path):
         self._gate = FileLock(folder / "cores.gate")
-        self._tokens = [FileLock(folder / f"core-{i}.lock") for i in range(count)]
+        self._tokens = [FileLock(folder / f"core-{i}.lock")
+                        for i in range(len(os.sched_getaffinity(0)))]
         self._held: list[FileLock] = []
 
     @contextmanager
-    def hold(self, n: int) -> Iterator[None]:
-        """Hold ``n`` tokens (at most all) while the block runs. Inside a holder of this
-        process, a block asking for no more than is held runs at once; one asking for
-        more is a test that says it needs fewer cores than it uses: RuntimeError."""
-        n = min(n, self.count)
+    def hold(self, n: int | None) -> Iterator[None]:
+        """Hold ``n`` tokens (None, or more than there are: all) while the block runs.
+        Inside a holder of this process, a block asking for no more than is held runs at
+        once; one asking for more is a test that says it needs fewer cores than it uses:
+        RuntimeError. A taker waits as long as the holders do: each is bounded by its own
+        test's timeouts."""
+        n = min(n or len(self._tokens), len(self._tokens))
         if self._held:
             if n > len(self._held):
                 raise RuntimeError(
-                    f"this test holds {len(self._held)} of the {self.count} cores and asks "
-                    f"for {n}: mark it slow(cores={n})")
+                    f"this test holds {len(self._held)} of the {len(self._tokens)} cores and "
+                    f"asks for {n}: mark it slow(cores={n})")
             yield
             return
         try:
@@ -85,4 +87,4 @@ def cores(n: int | None = None):
     """``with cores(n):`` holds ``n`` of the machine's cores (default: all) across the
     session's workers: a job of n processes, which no other test's processes then slow
     down."""
-    return _SESSION[0].hold(n or _SESSION[0].count)
+    return _SESSION[0].hold(n)

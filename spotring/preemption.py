@@ -217,21 +217,22 @@ class Preemption:
         return min(vote_interval(step_seconds, self._vote_seconds), 2 * self.interval)
 
     def _read(self) -> Decision:
-        """The sum of the votes sent by the call before, and the interval it sets: the
-        floor of the proposals' mean, exact in float64, so the same on every rank."""
+        """The sum of the votes sent by the call before, and, unless it stops the run, the
+        interval it sets: the floor of the proposals' mean, exact in float64, so the same
+        on every rank."""
         started = time.perf_counter()
         stop_votes, rebalance_votes, proposals = self._pending().tolist()
         self._vote_seconds += time.perf_counter() - started
         self._pending = None
+        if stop_votes > 0:  # no vote follows; the interval named is the one this vote kept
+            self.noticed_at = self.noticed_at or time.time()
+            log.info("the ranks agreed to stop (votes every %d steps)", self.interval)
+            return Decision(self._stop or "another rank received a notice", False)
         interval = max(1, int(proposals) // self.engine.world_size)
         if interval != self.interval:
             log.debug("the ranks vote every %d steps now", interval)
         self.interval = interval
         self._next_vote = self._sent[0] + interval
-        if stop_votes > 0:
-            self.noticed_at = self.noticed_at or time.time()
-            log.info("the ranks agreed to stop (votes every %d steps)", interval)
-            return Decision(self._stop or "another rank received a notice", False)
         if rebalance_votes > 0:
             self._rebalance_handled = True  # one checkpoint, whichever rank saw it first
             return Decision(None, True)

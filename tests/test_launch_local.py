@@ -9,13 +9,17 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+import socket
 import subprocess
+import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
 from spotring.checkpoint import folder_name, manifest_name, newest_valid
 from spotring.launch import config
+from spotring.launch.local import netns
 from spotring.launch.local.provider import LocalCluster
 from spotring.launch.rundir import RunDir
 from spotring.launch.ssh import RemoteError, Ssh, new_key, scan_host_keys
@@ -68,6 +72,40 @@ def test_local_nodes_are_machines_of_their_own(tmp_path, monkeypatch):
         done = cluster.destroy()
     assert done[0].startswith(f"deleted node {new.id} (stopped pids ")
     assert leftovers(run.id) == [] and processes(run.id) == []
+
+
+def test_the_other_nodes_reach_this_machine_at_once_after_a_node_is_deleted():
+    """A node lost (or replaced) must not cut the others off from this machine, where the
+    launcher's ssh to node 0 runs: the node deleted here is the one whose port on the
+    bridge has the lowest MAC address, which a bridge without an address of its own would
+    have taken, and changed when it went, leaving the others' ARP entries pointing
+    nowhere for most of a minute."""
+    names = netns.Names("test-bridge-" + uuid.uuid4().hex[:8])
+    subnet = netns.free_subnet("10.213.0.0/16", names.bridge)
+    host = str(subnet[1])
+    try:
+        netns.add_bridge(names.bridge, f"{host}/{subnet.prefixlen}")
+        for i in (0, 1):
+            netns.add_node(names.ns(i), names.veth(i), names.peer(i), names.bridge,
+                           f"{subnet[10 + i]}/{subnet.prefixlen}")
+        mac = {i: Path(f"/sys/class/net/{names.veth(i)}/address").read_text() for i in (0, 1)}
+        lowest = min(mac, key=mac.get)
+        with socket.create_server((host, 0)) as server:
+            def connect(i: int) -> subprocess.CompletedProcess:
+                return subprocess.run(
+                    ["ip", "netns", "exec", names.ns(i), sys.executable, "-c",
+                     f"import socket; socket.create_connection(({host!r}, "
+                     f"{server.getsockname()[1]}), timeout=2)"], capture_output=True, text=True)
+            survivor = 1 - lowest
+            assert connect(survivor).returncode == 0  # its ARP entry for this machine, made
+            netns.delete_namespace(names.ns(lowest))
+            done = connect(survivor)
+        assert done.returncode == 0, done.stderr
+    finally:
+        for ns in netns.namespaces(names.ns_prefix):
+            netns.delete_namespace(ns)
+        for link in netns.links(names.link_prefix):
+            netns.delete_link(link)
 
 
 # The local cluster's command as README.md and docs/launching.md show it, run as typed from the

@@ -67,7 +67,12 @@ def free_subnet(base: str, run_id: str) -> ipaddress.IPv4Network:
 
 
 def add_bridge(name: str, address: str) -> None:
-    ip("link", "add", name, "type", "bridge")
+    # A MAC address of its own (locally administered, from its name): a bridge without
+    # one takes the lowest of its ports', and changes it when that port goes. When a
+    # node was deleted, the others kept sending to the old one, and this machine's ssh
+    # to them stalled until their ARP entries expired, for most of a minute.
+    mac = "02:" + ":".join(f"{b:02x}" for b in hashlib.sha256(name.encode()).digest()[:5])
+    ip("link", "add", name, "address", mac, "type", "bridge")
     ip("addr", "add", address, "dev", name)
     ip("link", "set", name, "up")
 

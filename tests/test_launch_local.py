@@ -20,7 +20,7 @@ import pytest
 from spotring.checkpoint import folder_name, manifest_name, newest_valid
 from spotring.launch import config
 from spotring.launch.local import netns
-from spotring.launch.local.provider import LocalCluster
+from spotring.launch.local.provider import FIRST_HOST, LocalCluster
 from spotring.launch.rundir import RunDir
 from spotring.launch.ssh import RemoteError, Ssh, new_key, scan_host_keys
 from tests.conftest import REPO
@@ -87,7 +87,7 @@ def test_the_other_nodes_reach_this_machine_at_once_after_a_node_is_deleted():
         netns.add_bridge(names.bridge, f"{host}/{subnet.prefixlen}")
         for i in (0, 1):
             netns.add_node(names.ns(i), names.veth(i), names.peer(i), names.bridge,
-                           f"{subnet[10 + i]}/{subnet.prefixlen}")
+                           f"{subnet[FIRST_HOST + i]}/{subnet.prefixlen}")
         mac = {i: Path(f"/sys/class/net/{names.veth(i)}/address").read_text() for i in (0, 1)}
         lowest = min(mac, key=mac.get)
         with socket.create_server((host, 0)) as server:

@@ -57,15 +57,14 @@ def alone(tmp_path_factory) -> dict:
     return train(tmp_path_factory.mktemp("alone") / "alone.pt")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("engine, nproc, args", [
-    ("ddp", 2, []),
+    pytest.param("ddp", 2, [], marks=pytest.mark.slow),
     # 4 per micro-step: 2 micro-steps, the first without gradient sync.
-    ("fsdp", 2, ["--batch-size", "4"]),
+    pytest.param("fsdp", 2, ["--batch-size", "4"], marks=pytest.mark.slow),
     # HSDP with groups of one: every rank holds the whole model, gradients all-reduced.
-    ("fsdp", 2, ["--shard-size", "1"]),
-    # A group of one: sharded alone too.
-    ("fsdp", 1, []),
+    pytest.param("fsdp", 2, ["--shard-size", "1"], marks=pytest.mark.slow),
+    # A group of one: sharded alone too, in one process, which keeps one core busy.
+    pytest.param("fsdp", 1, [], marks=pytest.mark.slow(cores=1)),
 ], ids=["ddp-2", "fsdp-2-accumulating", "hsdp-2x1", "fsdp-alone"])
 def test_fsdp_takes_the_steps_of_ddp_and_of_one_process(tmp_path, alone, engine, nproc, args):
     run = train(tmp_path / "run.pt", "--engine", engine, *args, nproc=nproc)

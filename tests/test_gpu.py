@@ -124,7 +124,8 @@ def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
                 / b[k].double().norm().clamp_min(1e-12)).item() for k in a)
 
 
-@pytest.mark.parametrize("ranks", ["one", "all"])
+# One rank keeps one process busy (tests/conftest.py's cores); all of them, every core.
+@pytest.mark.parametrize("ranks", [pytest.param("one", marks=pytest.mark.slow(cores=1)), "all"])
 def test_the_default_run_reaches_its_target_on_every_seed(devices, ranks, tmp_path,
                                                           record_property):
     workers = 1 if ranks == "one" else devices.count
@@ -180,6 +181,7 @@ def test_n_ranks_equal_one_process_with_the_n_fold_batch(devices, plain, tmp_pat
     assert difference <= RTOL
 
 
+@pytest.mark.slow(cores=1)  # one process
 @pytest.mark.parametrize("option", ["channels_last", "compile"])
 def test_channels_last_and_compile_take_the_steps_of_the_plain_run(devices, plain, option,
                                                                    tmp_path, record_property):

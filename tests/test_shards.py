@@ -293,6 +293,23 @@ def test_a_restart_reuses_the_cache_and_a_shard_written_again_is_never_served_st
     assert read == [int(k) % 5 for k in keys][:len(read)]
 
 
+@pytest.mark.slow(cores=1)
+def test_loader_workers_of_a_fresh_interpreter_read_the_batches_of_the_loop(tmp_path, s3):
+    """Loader workers started by a forkserver, Python 3.14's default on Linux: the dataset
+    reaches them pickled (its store as its URI, its counters in shared memory), not
+    copied by fork. They hand out the samples the training loop reads itself, and their
+    reads are counted."""
+    uri = written("s3://spotring/forkserver", [{"cls": i % 7} for i in range(120)], 30, 8)
+
+    def keys(shards: Shards, **kwargs) -> list[str]:
+        return sum((batch["__key__"] for batch in epoch(shards, 2, 1, 12, **kwargs)), [])
+
+    alone = Shards(uri, cache_dir=tmp_path / "alone")
+    shards = Shards(uri, cache_dir=tmp_path / "workers")
+    assert keys(shards, num_workers=2, multiprocessing_context="forkserver") == keys(alone)
+    assert shards.reads()[0] == alone.reads()[0]  # the workers' reads, each block once
+
+
 # ---------------------------------------------------------- the trainer, the summary
 
 

@@ -11,7 +11,7 @@ from spotring.runtime import pick_precision
 
 @pytest.mark.slow
 def test_default_config_with_two_workers_reaches_99_percent(train):
-    run = train("mnist", launcher="torchrun", nproc=2, timeout=900)
+    run = train("mnist", launcher="spawned", nproc=2, timeout=900)
     summary = run.summary
     assert summary["dataset"] == "mnist" and summary["world_size"] == 2
     assert summary["epochs"] == 1.0

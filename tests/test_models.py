@@ -110,7 +110,7 @@ def test_resnet20_with_augmentation_trains_on_cifar_sized_images(tmp_path):
     # from the internet, and torchvision refuses any other copy.
     run = run_trainer(tmp_path / "run", "dataset=synthetic", "dataset.shape=[3,32,32]",
                       "dataset.augment=true", "model=resnet20", "train.batch_size=16",
-                      "train.max_steps=3", "model.l1=1e-5")
+                      "train.max_steps=3", "model.l1=1e-5", launcher="spawned")
     assert run.summary["model"] == "resnet20" and run.summary["model_builder"] == "cifar_resnet"
     assert run.summary["steps"] == 3
     assert run.summary["global_batch"] == 16

@@ -21,7 +21,7 @@ SMALL = ["dataset=synthetic", "dataset.shape=[1,28,28]", "dataset.train_size=640
 
 @pytest.mark.slow
 def test_tensorboard_and_metrics_hold_every_scalar_written_by_rank_0_only(train):
-    run = train("run", *SMALL, "telemetry.progress=true", launcher="torchrun", nproc=2)
+    run = train("run", *SMALL, "telemetry.progress=true", launcher="spawned", nproc=2)
     events = list((run.dir / "tensorboard").glob("events.out.tfevents.*"))
     assert len(events) == 1  # one writer: rank 0
     tb = EventAccumulator(str(run.dir / "tensorboard"))
@@ -59,7 +59,7 @@ def test_tensorboard_and_metrics_hold_every_scalar_written_by_rank_0_only(train)
 
 @pytest.mark.slow(cores=1)
 def test_summary_has_what_users_and_benchmarks_read(train):
-    run = train("run", *SMALL, "train.max_steps=7")
+    run = train("run", *SMALL, "train.max_steps=7", launcher="spawned")
     summary = run.summary
     for key in ["test_accuracy", "test_loss", "train_seconds", "images_per_second",
                 "world_size", "global_batch", "steps", "epochs", "engine", "final_lr"]:

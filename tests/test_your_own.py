@@ -250,8 +250,8 @@ def test_image_folder_on_two_workers_equals_one_worker_with_the_same_global_batc
     common = ["dataset=image_folder", f"dataset.root={tmp_path / 'images'}", "dataset.size=28",
               "dataset.augment=false", "train.dtype=float64", "train.global_batch=16",
               "train.epochs=2", "train.max_steps=5", "train.threads=1", "train.seed=4"]
-    one = run_trainer(tmp_path / "one", *common)
-    two = run_trainer(tmp_path / "two", *common, launcher="torchrun", nproc=2)
+    one = run_trainer(tmp_path / "one", *common, launcher="spawned")
+    two = run_trainer(tmp_path / "two", *common, launcher="spawned", nproc=2)
     assert two.summary["world_size"] == 2 and one.summary["world_size"] == 1
     assert two.summary["steps"] == one.summary["steps"] == 5
     assert one.summary["dataset"] == "image_folder" and one.summary["epochs"] == 5 / 3

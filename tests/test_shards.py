@@ -12,6 +12,7 @@ world size (issue 46, docs/streaming.md).
 - the cache: bounded while a dataset 4x larger trains, reused after a restart, never
   stale after a shard is written again; one download per block for several loader
   workers;
+- loader workers started by a forkserver (Python 3.14's default) read what the loop does;
 - the trainer's dataset=shards, and the summary's and the ledger's reads per rank.
 
 The stores are real: a directory, and the moto server (tests/conftest.py's ``s3``),
@@ -296,9 +297,9 @@ def test_a_restart_reuses_the_cache_and_a_shard_written_again_is_never_served_st
 @pytest.mark.slow(cores=1)
 def test_loader_workers_of_a_fresh_interpreter_read_the_batches_of_the_loop(tmp_path, s3):
     """Loader workers started by a forkserver, Python 3.14's default on Linux: the dataset
-    reaches them pickled (its store as its URI, its counters in shared memory), not
-    copied by fork. They hand out the samples the training loop reads itself, and their
-    reads are counted."""
+    reaches them pickled, not copied by fork (each opens its own store client from the
+    URI; the read counters are in shared memory). They hand out the samples the training
+    loop reads itself, and their reads are counted."""
     uri = written("s3://spotring/forkserver", [{"cls": i % 7} for i in range(120)], 30, 8)
 
     def keys(shards: Shards, **kwargs) -> list[str]:

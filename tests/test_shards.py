@@ -295,12 +295,14 @@ def test_a_restart_reuses_the_cache_and_a_shard_written_again_is_never_served_st
 
 
 @pytest.mark.slow(cores=1)
-def test_loader_workers_of_a_fresh_interpreter_read_the_batches_of_the_loop(tmp_path, s3):
+def test_loader_workers_of_a_fresh_interpreter_read_the_batches_of_the_loop(tmp_path):
     """Loader workers started by a forkserver, Python 3.14's default on Linux: the dataset
-    reaches them pickled, not copied by fork (each opens its own store client from the
-    URI; the read counters are in shared memory). They hand out the samples the training
-    loop reads itself, and their reads are counted."""
-    uri = written("s3://spotring/forkserver", [{"cls": i % 7} for i in range(120)], 30, 8)
+    reaches them pickled, not copied by fork (each opens the store again from its URI; the
+    read counters are in shared memory). They hand out the samples the training loop
+    reads itself, and their reads are counted."""
+    # In a directory: the forkserver is this process's, started by whichever test came
+    # first, with the environment of then (another test's moto endpoint, or none).
+    uri = written(str(tmp_path / "shards"), [{"cls": i % 7} for i in range(120)], 30, 8)
 
     def keys(shards: Shards, **kwargs) -> list[str]:
         return sum((batch["__key__"] for batch in epoch(shards, 2, 1, 12, **kwargs)), [])

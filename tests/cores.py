@@ -1,15 +1,18 @@
-"""The machine's cores, shared by the session's pytest-xdist workers as tokens, one per
-core: a test holds one token for each process it keeps busy, so that the processes of
-the tests running side by side never outnumber the cores. Nothing measured or awaited in
-a job then waits on another test's CPU time, and a one-process test still runs beside
-another instead of leaving a core idle.
+"""The machine's cores, shared by the session's pytest-xdist workers as tokens: a test
+holds one token for each process it keeps busy, and a job holds at most one per core, so
+that two jobs of several processes never run side by side and nothing measured or
+awaited in one waits on the other's CPU time. There is one token more than cores, as
+`make -j` is given one job more than cores: a one-process test (one trainer, one CLI,
+pip, or mostly waiting) may run beside a job that holds every core, and fills the waits
+every job has (its ranks importing torch one after the other, its polls, its launcher's
+ssh). Two one-process tests run side by side.
 
     with cores(2):          # a job of 2 ranks
         ...
 
 An autouse fixture of tests/conftest.py holds them for every test marked slow
-(``@pytest.mark.slow``: all of them; ``@pytest.mark.slow(cores=1)``: one); the helpers
-that start processes take their own, which inside a test's hold costs nothing.
+(``@pytest.mark.slow``: a token per core; ``@pytest.mark.slow(cores=1)``: one); the
+helpers that start processes take their own, which inside a test's hold costs nothing.
 
 The tokens are file locks in the session's shared folder. A taker holds a gate while it
 gathers its tokens, so that a job waiting for every core is not overtaken for ever by
@@ -31,27 +34,27 @@ _POLL_S = 0.05
 
 
 class Cores:
-    """A token under ``folder`` for each core this process may run on, taken with
-    ``hold(n)``."""
+    """A token under ``folder`` for each core this process may run on and one more, taken
+    with ``hold(n)``."""
 
     def __init__(self, folder: Path):
+        self._cores = len(os.sched_getaffinity(0))
         self._gate = FileLock(folder / "cores.gate")
-        self._tokens = [FileLock(folder / f"core-{i}.lock")
-                        for i in range(len(os.sched_getaffinity(0)))]
+        self._tokens = [FileLock(folder / f"core-{i}.lock") for i in range(self._cores + 1)]
         self._held: list[FileLock] = []
 
     @contextmanager
     def hold(self, n: int | None) -> Iterator[None]:
-        """Hold ``n`` tokens (None, or more than there are: all) while the block runs.
-        Inside a holder of this process, a block asking for no more than is held runs at
-        once; one asking for more is a test that says it needs fewer cores than it uses:
-        RuntimeError. A taker waits as long as the holders do: each is bounded by its own
-        test's timeouts."""
-        n = min(n or len(self._tokens), len(self._tokens))
+        """Hold ``n`` tokens (None, or more than there are cores: one per core) while the
+        block runs. Inside a holder of this process, a block asking for no more than is
+        held runs at once; one asking for more is a test that says it needs fewer cores
+        than it uses: RuntimeError. A taker waits as long as the holders do: each is
+        bounded by its own test's timeouts."""
+        n = min(n or self._cores, self._cores)
         if self._held:
             if n > len(self._held):
                 raise RuntimeError(
-                    f"this test holds {len(self._held)} of the {len(self._tokens)} cores and "
+                    f"this test holds {len(self._held)} of the {self._cores} cores and "
                     f"asks for {n}: mark it slow(cores={n})")
             yield
             return
@@ -85,6 +88,5 @@ def share(folder: Path) -> None:
 
 def cores(n: int | None = None):
     """``with cores(n):`` holds ``n`` of the machine's cores (default: all) across the
-    session's workers: a job of n processes, which no other test's processes then slow
-    down."""
+    session's workers: a job of n processes, which no other job then slows down."""
     return _SESSION[0].hold(n)

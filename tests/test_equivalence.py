@@ -17,8 +17,7 @@ from tests.conftest import PARITY, assert_close
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher, backend", [("torchrun", "gloo"), ("mpirun", "gloo"),
-                                               ("mpirun", "mpi")])
+@pytest.mark.parametrize("launcher, backend", [("torchrun", "gloo"), ("mpirun", "mpi")])
 def test_two_workers_equal_one_worker_with_twice_the_batch(train, one_worker, ddp_2x32,
                                                            launcher, backend):
     two = ddp_2x32 if launcher == "torchrun" else train(  # torchrun's: shared with Horovod's

@@ -180,17 +180,25 @@ class Checkpointer:
                 name=f"spotring-checkpoint-{step}", daemon=True)
             self._pending.start()
             return None
-        return self._publish(state, meta, extras, comm)
+        saved = self._publish(state, meta, extras, comm)
+        self._report(saved)
+        return saved
 
     def _publish(self, state: dict[str, Any] | sharded.Staged, meta: dict[str, Any],
                  extras: dict[str, Any], comm: sharded.Comm) -> Saved:
         saved = publish(self.checkpoints, state, meta, extras, comm,
                         cleans=self.engine.local_rank == 0)
         self.saved = saved
+        return saved
+
+    def _report(self, saved: Saved) -> None:
+        """Rank 0, on the training thread: the checkpoint's line, and the warning where it
+        took longer than a notice gives. Never from the background save's thread: its
+        line on stderr could fall between the text and the newline of a line the script
+        prints (two writes where the streams are unbuffered, as launchers make them)."""
         if self.engine.rank == 0:
             log.info("checkpoint %s, %s", saved.location, saved.describe())
             self._warn_if_too_slow(saved)
-        return saved
 
     def _publish_in_background(self, *args: Any) -> None:
         try:
@@ -198,22 +206,31 @@ class Checkpointer:
         except BaseException as e:  # raised on the training thread, by wait()
             self._failed = e
 
+    def report_published(self) -> None:
+        """Once per step, on the training thread: where the background save in flight is
+        published by now, say so (``wait``, which returns at once). A failed one is left
+        for the next ``wait`` to raise: at the next save, or at the end."""
+        if self._pending is not None and not self._pending.is_alive() and self._failed is None:
+            self.wait()
+
     @property
     def in_flight(self) -> int | None:
         """The step of the background save in flight, if one is."""
         return self.saved_step if self._pending is not None else None
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Until the background save in flight (if any) is published, or ``timeout``
-        seconds have passed (False: it is still in flight); re-raises its error."""
+        """Until the background save in flight (if any) is published, then reported
+        (``_report``), or ``timeout`` seconds have passed (False: it is still in flight);
+        re-raises its error."""
         if self._pending is not None:
             self._pending.join(timeout)
             if self._pending.is_alive():
                 return False
             self._pending = None
-        if (failed := self._failed) is not None:
-            self._failed = None
-            raise failed
+            if (failed := self._failed) is not None:
+                self._failed = None
+                raise failed
+            self._report(self.saved)
         return True
 
     def _warn_if_too_slow(self, saved: Saved) -> None:

@@ -418,7 +418,10 @@ class Job:
 
         background: return once the state is copied to CPU memory, and write while
             training goes on (a save in flight is waited for first); default
-            CheckpointOptions.background. False: complete before it returns."""
+            CheckpointOptions.background. Its line ("spotring: checkpoint ...") comes
+            from the training thread once it is published: at the next should_stop, save
+            or close, never in the middle of a line the script prints. False: complete
+            (and said) before it returns."""
         if self.is_main and not self._noted_where:
             note_where(self.run_dir, self.checkpoints)
             self._noted_where = True
@@ -449,6 +452,7 @@ class Job:
         vote near 1% of the steps' time). An EC2 rebalance recommendation checkpoints
         here and goes on."""
         self._checkpointer.steps += 1
+        self._checkpointer.report_published()
         decision = self.preemption.decide()
         if decision.checkpoint and self.saved_step != self.step_count:
             self.save()

@@ -13,13 +13,14 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
 from torch.utils.data import TensorDataset
 
 import spotring
-from spotring.checkpoint import directory_of, newest_valid
+from spotring.checkpoint import directory_of, folder_name, newest_valid
 from spotring.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, PREEMPTED, Diverged
 from spotring.polling import poll
 from tests.commands import call
@@ -52,6 +53,18 @@ def steps(job: spotring.Job, model, optimizer, loader, count: int) -> list[int]:
         if len(seen) == count * GLOBAL_BATCH:
             break
     return seen
+
+
+def trained(job: spotring.Job, count: int) -> Callable[[int], list[int]]:
+    """A linear model, SGD and spotring's loader, tracked by ``job``, after ``count``
+    steps; returns ``steps`` of them for more."""
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = job.loader(dataset(), GLOBAL_BATCH)
+    model, optimizer = job.wrap(model, optimizer)
+    job.track(model=model, optimizer=optimizer, loader=loader)
+    steps(job, model, optimizer, loader, count)
+    return lambda more: steps(job, model, optimizer, loader, more)
 
 
 def test_a_restored_run_continues_mid_epoch_with_the_samples_and_weights_of_one_unbroken(
@@ -180,6 +193,25 @@ def test_with_turns_what_went_wrong_into_the_exit_code_a_launcher_acts_on(
     assert (tmp_path / "diverged.json").exists() == (code == EXIT_DIVERGED)
 
 
+def test_a_background_saves_line_comes_from_the_training_thread_at_the_next_step(
+        tmp_path, caplog):
+    """Not from the save's own thread: there its line on stderr could fall between the
+    text and the newline of a line the script prints, which unbuffered streams (as
+    launchers make them) write apart."""
+    with caplog.at_level(logging.INFO, logger="spotring"), job(tmp_path) as j:
+        go_on = trained(j, 2)
+        j.save(background=True)
+        poll(lambda: not any(t.name.startswith("spotring-checkpoint")
+                             for t in threading.enumerate()) or None,
+             timeout_s=60, interval_s=0.01, what="the background save's end")
+        said = [r for r in caplog.records if r.getMessage().startswith("checkpoint ")]
+        assert said == []  # published, and not said yet
+        go_on(1)
+        said = [r for r in caplog.records if r.getMessage().startswith("checkpoint ")]
+        assert [(r.threadName, folder_name(2) in r.getMessage()) for r in said] == [
+            ("MainThread", True)], [r.getMessage() for r in said]
+
+
 def test_any_way_out_of_with_lets_the_background_save_in_flight_finish(
         tmp_path, s3, monkeypatch, caplog):
     """sys.exit inside ``with`` while a background save uploads: the process waits for it
@@ -197,12 +229,7 @@ def test_any_way_out_of_with_lets_the_background_save_in_flight_finish(
     try:
         with caplog.at_level(logging.INFO, logger="spotring"), pytest.raises(SystemExit) as e, \
                 job(tmp_path, checkpoint_uri=uri) as j:
-            model = torch.nn.Linear(3, 1)
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            loader = j.loader(dataset(), GLOBAL_BATCH)
-            model, optimizer = j.wrap(model, optimizer)
-            j.track(model=model, optimizer=optimizer, loader=loader)
-            steps(j, model, optimizer, loader, 2)
+            trained(j, 2)
             proxy.hold()
             j.save(background=True)
             threading.Thread(target=release_once_waited_for, daemon=True).start()

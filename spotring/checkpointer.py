@@ -112,7 +112,7 @@ class Checkpointer:
         self.notice_seconds = notice_seconds
         self.tracked: dict[str, Any] = {}
         self.annotations: dict[str, Any] = {}
-        self.steps = 0  # optimizer steps, counted by the caller where no position is tracked
+        self.steps = 0  # optimizer steps (step_taken), where no position is tracked
         self.start_step = 0  # the step this process started from (resumed, or 0)
         self.saved: Saved | None = None  # the newest checkpoint published (rank 0's view)
         self.saved_step: int | None = None  # the step of the newest checkpoint begun
@@ -206,10 +206,12 @@ class Checkpointer:
         except BaseException as e:  # raised on the training thread, by wait()
             self._failed = e
 
-    def report_published(self) -> None:
-        """Once per step, on the training thread: where the background save in flight is
-        published by now, say so (``wait``, which returns at once). A failed one is left
-        for the next ``wait`` to raise: at the next save, or at the end."""
+    def step_taken(self) -> None:
+        """Once per optimizer step, on the training thread: count it (``steps``), and
+        where the background save in flight is published by now, say so (``wait``, which
+        returns at once). A failed one is left for the next ``wait`` to raise: at the next
+        save, or at the end."""
+        self.steps += 1
         if self._pending is not None and not self._pending.is_alive() and self._failed is None:
             self.wait()
 

@@ -451,8 +451,7 @@ class Job:
         vote every PreemptionOptions.check_every_steps, by default as often as keeps the
         vote near 1% of the steps' time). An EC2 rebalance recommendation checkpoints
         here and goes on."""
-        self._checkpointer.steps += 1
-        self._checkpointer.report_published()
+        self._checkpointer.step_taken()
         decision = self.preemption.decide()
         if decision.checkpoint and self.saved_step != self.step_count:
             self.save()

@@ -204,12 +204,13 @@ def test_a_background_saves_line_comes_from_the_training_thread_at_the_next_step
         poll(lambda: not any(t.name.startswith("spotring-checkpoint")
                              for t in threading.enumerate()) or None,
              timeout_s=60, interval_s=0.01, what="the background save's end")
-        said = [r for r in caplog.records if r.getMessage().startswith("checkpoint ")]
-        assert said == []  # published, and not said yet
+        def said() -> list[logging.LogRecord]:
+            return [r for r in caplog.records if r.getMessage().startswith("checkpoint ")]
+
+        assert said() == []  # published, and not said yet
         go_on(1)
-        said = [r for r in caplog.records if r.getMessage().startswith("checkpoint ")]
-        assert [(r.threadName, folder_name(2) in r.getMessage()) for r in said] == [
-            ("MainThread", True)], [r.getMessage() for r in said]
+        assert [(r.threadName, folder_name(2) in r.getMessage()) for r in said()] == [
+            ("MainThread", True)], [r.getMessage() for r in said()]
 
 
 def test_any_way_out_of_with_lets_the_background_save_in_flight_finish(

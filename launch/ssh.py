@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import shlex
 import subprocess
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextvars import ContextVar
 from pathlib import Path
 from typing import TypeVar
 
@@ -47,8 +49,7 @@ def _scan(node: Node, timeout_s: float) -> str:
 
     def scan() -> str | None:
         nonlocal said
-        proc = subprocess.run(["ssh-keyscan", "-T", "5", "-t", "ed25519", node.address],
-                              capture_output=True, text=True)
+        proc = _run(["ssh-keyscan", "-T", "5", "-t", "ed25519", node.address], text=True)
         said = proc.stderr.strip()
         keys = [line.split(None, 1)[1] for line in proc.stdout.splitlines()
                 if line.strip() and not line.startswith("#")]
@@ -64,19 +65,94 @@ def _scan(node: Node, timeout_s: float) -> str:
 
 
 def on_each(nodes: Sequence[Node], fn: Callable[[Node], T]) -> list[T]:
-    """``fn`` on every node at once; the results in node order, the first error raised."""
+    """``fn`` on every node at once; the results in node order, the first error raised.
+    When it raises (a node's error, Ctrl-C), the other nodes' work is given up: the
+    processes it started through this module are killed, and it starts no more."""
     if not nodes:
         return []
+    batch = _Batch(_batch.get())
+
+    def work(node: Node) -> T:
+        _batch.set(batch)  # this pool's thread, which runs nothing else
+        return fn(node)
+
     pool = ThreadPoolExecutor(max_workers=min(len(nodes), 32))
-    futures = [pool.submit(fn, node) for node in nodes]
+    futures = [pool.submit(work, node) for node in nodes]
     try:
         # Wait in short slices: Ctrl-C is handled between two, not after the slowest node.
         while wait(futures, timeout=0.2, return_when=FIRST_EXCEPTION).not_done:
             if any(f.done() and f.exception() for f in futures):
                 break
         return [f.result() for f in futures]
+    except BaseException:
+        # Else a node's ssh started a moment after Ctrl-C (which reached only the ones
+        # running) would go on, and Python's exit would wait for its thread.
+        batch.give_up()
+        raise
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
+
+
+class GivenUp(Exception):
+    """Raised in a worker of an on_each that has given up on its work."""
+
+
+class _Batch:
+    """The processes that the workers of one on_each started and that still run."""
+
+    def __init__(self, outer: _Batch | None):
+        self.outer = outer  # an on_each whose worker called this one: it gives this up too
+        self.procs: set[subprocess.Popen] = set()
+        self.given_up = False
+
+    def chain(self) -> Iterator[_Batch]:
+        batch: _Batch | None = self
+        while batch is not None:
+            yield batch
+            batch = batch.outer
+
+    def give_up(self) -> None:
+        with _lock:
+            self.given_up = True
+            for proc in self.procs:
+                proc.kill()
+
+
+_batch: ContextVar[_Batch | None] = ContextVar("spotring_on_each", default=None)
+# Held while a process starts and while a batch is given up, so that none starts unseen.
+_lock = threading.Lock()
+
+
+def _run(argv: list[str], input: bytes | None = None,
+         text: bool = False) -> subprocess.CompletedProcess:
+    """subprocess.run(argv, capture_output=True), which an on_each that gives up kills;
+    GivenUp instead of starting, or of a result, in the work of one that has."""
+    batch = _batch.get()
+    batches = list(batch.chain()) if batch else []
+
+    def gone() -> None:
+        if any(b.given_up for b in batches):
+            raise GivenUp(f"`{' '.join(argv)}`: given up, as the work on another node "
+                          "failed or was interrupted")
+
+    with _lock:
+        gone()
+        proc = subprocess.Popen(argv, stdin=None if input is None else subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=text)
+        for b in batches:
+            b.procs.add(proc)
+    try:
+        out, err = proc.communicate(input)
+    except BaseException:  # Ctrl-C in the main thread: as subprocess.run, leave no child
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        with _lock:
+            for b in batches:
+                b.procs.discard(proc)
+    gone()
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 class Ssh:
@@ -106,7 +182,7 @@ class Ssh:
 
     def run(self, node: Node, command: str, input: bytes | None = None,
             check: bool = True) -> subprocess.CompletedProcess:
-        proc = subprocess.run(self.argv(node, command), input=input, capture_output=True)
+        proc = _run(self.argv(node, command), input=input)
         if check and proc.returncode != 0:
             raise RemoteError(node, command, proc.returncode, proc.stderr)
         return proc

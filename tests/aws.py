@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -111,6 +113,11 @@ def no_capacity(gaps: MotoGaps, code: str, instance_ids: list[str] = ()) -> None
         "PreviousFleetState": "active"}]}, {"FleetIds": [STUB_FLEET], "TerminateInstances": True})
 
 
+_HANG = ("import sys, time; time.sleep(float(sys.argv[1])); "
+         "print('stand-in ssh: no machine behind this moto instance', file=sys.stderr); "
+         "sys.exit(255)")
+
+
 def stand_in_ssh(directory: Path) -> Path:
     """ssh-keyscan and ssh for moto's instances, which are records, not machines: nothing
     listens on their addresses. ssh-keyscan answers for any address with a fixed key;
@@ -121,11 +128,13 @@ def stand_in_ssh(directory: Path) -> Path:
     scripts = {
         "ssh-keyscan": f'for host; do :; done\necho "$host ssh-ed25519 {key}"\n',
         # Anything else fails, after $STAND_IN_SSH_DELAY seconds (a job that hangs); it
-        # makes the file $STAND_IN_SSH_CALLED first, where given.
+        # adds its command to the file $STAND_IN_SSH_CALLED first, where given.
         "ssh": 'for command; do :; done\n[ "$command" = true ] && exit 0\n'
-               '[ -z "$STAND_IN_SSH_CALLED" ] || : > "$STAND_IN_SSH_CALLED"\n'
-               'sleep "${STAND_IN_SSH_DELAY:-0}"\n'
-               'echo "stand-in ssh: no machine behind this moto instance" >&2\nexit 255\n',
+               '[ -z "$STAND_IN_SSH_CALLED" ] || echo "$command" >> "$STAND_IN_SSH_CALLED"\n'
+               # One process, which a kill ends whole: a sleep would outlive a killed sh,
+               # holding its pipes open.
+               f'exec {shlex.quote(sys.executable)} -c {shlex.quote(_HANG)} '
+               '"${STAND_IN_SSH_DELAY:-0}"\n',
     }
     for name, body in scripts.items():
         (directory / name).write_text(f"#!/bin/sh\n# a stand-in: see tests/aws.py\n{body}")

@@ -51,7 +51,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 from urllib.parse import urlencode, urlsplit
@@ -85,6 +85,9 @@ class Source(abc.ABC):
     def __init__(self, endpoint: str | None = None, timeout: float = 1.0) -> None:
         self.endpoint = (endpoint or self.default_endpoint()).rstrip("/")
         self.timeout = timeout
+        # How this source logs a line, as Logger.log takes it: Preemption's watcher has
+        # its lines logged by the training thread.
+        self.say: Callable[..., None] = log.log
         # close() and the request in flight, from different threads.
         self._lock = threading.Lock()
         self._closed = False
@@ -258,8 +261,8 @@ class GCP(Source):
             if self._closed:
                 raise
             self._hold_failed = True
-            log.info("GCP's metadata server at %s failed a request held until its "
-                     "preempted flag changes (%s): polling it instead", self.endpoint, e)
+            self.say(logging.INFO, "GCP's metadata server at %s failed a request held until "
+                     "its preempted flag changes (%s): polling it instead", self.endpoint, e)
             return self.notice()
 
     def _flag(self, body: bytes, headers: http.client.HTTPMessage) -> str | None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import signal
 import threading
 import time
@@ -109,9 +110,17 @@ class Preemption:
         self._vote_seconds = 0.0
         self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
         self._thread: threading.Thread | None = None
+        # What the watcher has to say, as Logger.log takes it, but the notice: logged by
+        # the training thread, at its next decide() or at close(). From the watcher's own
+        # thread a line could land inside one the script prints (an unbuffered print
+        # writes its text, then its newline; under ssh -tt stderr and stdout are one
+        # stream).
+        self._said: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         # The services this rank's watcher asks (probes, then the one found): close()
         # ends their requests.
         self._sources = metadata.sources(options.notices) if local_rank == 0 else []
+        for source in self._sources:
+            source.say = self._say
         if self._sources:
             self._thread = threading.Thread(target=self._watch, args=(self._sources,),
                                             name="spot-notice-watcher", daemon=True)
@@ -135,14 +144,22 @@ class Preemption:
             self.noticed_at = self.noticed_at or time.time()
             self._stop = reason
 
+    def _say(self, level: int, msg: str, *args) -> None:
+        self._said.put((level, msg, *args))
+
+    def _tell(self) -> None:
+        """Log what the watcher said since the last call (the training thread's)."""
+        while not self._said.empty():
+            log.log(*self._said.get())
+
     def _find(self, candidates: list[metadata.Source]) -> metadata.Source | None:
         """The service among ``candidates`` that answers, probed every poll_seconds for
         up to _FIND_SECONDS; None where none does, or once closed."""
         deadline = time.monotonic() + _FIND_SECONDS
         while (found := metadata.detect(candidates)) is None:
             if time.monotonic() > deadline:
-                log.debug("no instance metadata service answers (%s): not watching for "
-                          "spot notices",
+                self._say(logging.DEBUG, "no instance metadata service answers (%s): not "
+                          "watching for spot notices",
                           ", ".join(f"{c.cloud} at {c.endpoint}" for c in candidates))
                 return None
             if self._closed.wait(self.options.poll_seconds):
@@ -153,23 +170,25 @@ class Preemption:
         source = self.source = self._find(candidates)
         if source is None:
             return
-        log.info("watching %s's metadata service at %s for spot notices %s", source.cloud,
-                 source.endpoint, "with requests it holds until its notice changes"
-                 if source.holds else f"every {self.options.poll_seconds:g} s")
+        self._say(logging.INFO, "watching %s's metadata service at %s for spot notices %s",
+                  source.cloud, source.endpoint, "with requests it holds until its notice "
+                  "changes" if source.holds else f"every {self.options.poll_seconds:g} s")
         while True:
             asked = time.monotonic()
             try:
                 notice = source.wait()
                 if notice is not None:
                     self._notice(notice)
+                    # At once, from here: the one live sign of a notice while a long
+                    # step, a blocking save or a hung collective holds the training thread.
                     log.warning("%s", notice)
                     return
                 if not self._rebalance.is_set() and source.rebalance():
-                    log.warning("%s rebalance recommendation: checkpointing now",
-                                source.cloud)
+                    self._say(logging.WARNING, "%s rebalance recommendation: checkpointing "
+                              "now", source.cloud)
                     self._rebalance.set()
             except (OSError, ValueError) as e:  # a hiccup (or close()); the next may work
-                log.debug("%s metadata request failed: %s", source.cloud, e)
+                self._say(logging.DEBUG, "%s metadata request failed: %s", source.cloud, e)
             # A request the service held is followed by the next at once; one answered at
             # once (or failed), at the end of the interval that it began.
             pause = self.options.poll_seconds - (time.monotonic() - asked)
@@ -184,6 +203,7 @@ class Preemption:
         The votes are sent every ``interval`` steps and their sum is read by the call
         after, so that the small allreduce runs while that step computes; a notice is
         acted on at most ``interval`` + 1 steps after it reached a rank."""
+        self._tell()
         if self._decided is not None:
             return self._decided
         self._steps += 1
@@ -250,6 +270,7 @@ class Preemption:
             source.close()
         if self._thread is not None:
             self._thread.join(_CLOSE_SECONDS)
+        self._tell()
 
     def restore_signals(self) -> None:
         """Give SIGTERM and SIGUSR1 back their handlers from before this object, once the

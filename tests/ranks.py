@@ -72,8 +72,8 @@ def _rank(env: dict[str, str], log: str, target: Callable[..., Any],
     os.dup2(fd, 2)
     os.close(fd)
     # Whole lines: under PYTHONUNBUFFERED (set here, as the launchers set it) the streams
-    # write through, so print's text and its newline are two writes, and a line from
-    # another thread (the notice watcher's, on stderr) can fall between them.
+    # write through, so print's text and its newline are two writes, and a line that
+    # another thread writes can fall between them.
     sys.stdout.reconfigure(line_buffering=True, write_through=False)
     sys.stderr.reconfigure(line_buffering=True, write_through=False)
     target(**kwargs)

@@ -25,6 +25,7 @@ import pytest
 import spotring
 from spotring import metadata
 from spotring.launch.commands import local_environment
+from spotring.polling import poll
 from spotring.preemption import NOTICE_SECONDS, Decision, Preemption, vote_interval
 from tests.imds import STUBS, AzureStub, GCPStub, MetadataStub, pointed_at
 from tests.test_spot import OneRank, next_decision
@@ -176,6 +177,30 @@ def test_the_watcher_sees_each_clouds_notice_within_a_second_and_knows_its_windo
         service.announce()
         assert next_decision(watcher).stop.startswith(f"{service.cloud} ")
     assert 0 < watcher.noticed_at - announced < 1
+
+
+def test_the_watchers_lines_are_logged_by_the_training_thread_at_its_next_step(only,
+                                                                            caplog):
+    # From the watcher's own thread, a line could land inside one that the script prints;
+    # but the notice is said at once, the one live sign of it while a step holds the
+    # training thread.
+    caplog.set_level(logging.INFO, "spotring")
+    stub = only(GCPStub("refused"))  # the source has a line of its own to say, too
+    with watching(notices="gcp", poll_seconds=0.05) as watcher:
+        stub.announce()
+        poll(lambda: None if "spot-notice-watcher" in [t.name for t in threading.enumerate()]
+             else True, timeout_s=30, interval_s=0.01, what="the watcher to end at the notice")
+        assert [(r.threadName, r.levelname, r.getMessage()) for r in caplog.records] == [
+            ("spot-notice-watcher", "WARNING", "GCP preemption notice")]
+        caplog.clear()
+        assert next_decision(watcher).stop == "GCP preemption notice"
+    assert {r.threadName for r in caplog.records} == {"MainThread"}
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert said[0] == ("INFO", f"watching GCP's metadata service at {stub.url} for spot "
+                               "notices with requests it holds until its notice changes")
+    assert said[1][0] == "INFO" and said[1][1].startswith(
+        f"GCP's metadata server at {stub.url} failed a request held until its preempted "
+        "flag changes (HTTP 400 Bad Request")
 
 
 def test_gcp_answers_a_held_request_the_moment_the_flag_rises(only, caplog):

@@ -27,12 +27,21 @@ export PATH := $(BIN):$(PATH)
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: help install horovod test test-fast lint train bench report clean
+# The ends of the supported range (spotring/versions.py), each in an environment of its own
+# beside .venv: the oldest Python with the oldest torch (constraints-oldest.txt), the newest
+# Python with constraints.txt's torch. pip's cache (~/.cache/pip) keeps their downloads.
+OLDEST_PYTHON ?= 3.10
+NEWEST_PYTHON ?= 3.13
+OLDEST := .venv-oldest
+NEWEST := .venv-newest
+
+.PHONY: help install horovod test test-fast test-ends lint train bench report clean
 
 help:
 	@echo "make train [NPROC=2] [ENGINE=ddp|horovod] [ARGS='dataset=cifar10 model=resnet20']"
 	@echo "make test [TEST_JOBS=2]  the whole suite (installs .venv and builds Horovod first)"
 	@echo "make test-fast     without the slow multi-process tests"
+	@echo "make test-ends     the library's tests at the oldest and newest supported torch and Python"
 	@echo "make install       .venv with pinned versions (constraints.txt)"
 	@echo "make horovod       build Horovod 0.28.1 against the installed torch (cached)"
 	@echo "make lint          ruff"
@@ -67,6 +76,26 @@ horovod: install
 
 test: install horovod system-deps
 	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
+	$(MAKE) test-ends
+
+# The oldest end runs the in-process tests and those marked `ends` (one multi-rank proof of
+# each engine, and of streamed shards); the newest Python runs the in-process tests. Each
+# with its own launchers first on PATH.
+test-ends: $(OLDEST)/.installed $(NEWEST)/.installed $(AZURITE) system-deps
+	PATH=$(abspath $(OLDEST))/bin:$$PATH $(OLDEST)/bin/python -m pytest -n $(TEST_JOBS) \
+	    --dist loadfile -m "not slow or ends" $(PYTEST_ARGS)
+	PATH=$(abspath $(NEWEST))/bin:$$PATH $(NEWEST)/bin/python -m pytest -n $(TEST_JOBS) \
+	    --dist loadfile -m "not slow" $(PYTEST_ARGS)
+
+$(OLDEST)/.installed: pyproject.toml constraints-oldest.txt
+	test -x $(OLDEST)/bin/python || "$$(tools/python $(OLDEST_PYTHON))" -m venv $(OLDEST)
+	$(OLDEST)/bin/pip install --upgrade -c constraints-oldest.txt -e '.[mpi,bench,sweep,test]'
+	touch $@
+
+$(NEWEST)/.installed: pyproject.toml constraints.txt
+	test -x $(NEWEST)/bin/python || "$$(tools/python $(NEWEST_PYTHON))" -m venv $(NEWEST)
+	$(NEWEST)/bin/pip install --upgrade -c constraints.txt -e '.[mpi,bench,sweep,test]'
+	touch $@
 
 # The inner loop: the tests in this process (library, config, bad input), no Horovod build.
 test-fast: install system-deps

@@ -26,6 +26,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -326,18 +327,21 @@ def _check_requirement(text: str, root: Path) -> None:
                      "(PEP 508, e.g. torch>=2.4), a URL, or a path to a wheel or project")
 
 
+def read_toml(path: Path) -> dict:
+    """The TOML file at ``path``; ValueError where it is not TOML (or not UTF-8)."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # its backport, a dependency of spotring on Python 3.10
+        import tomli as tomllib
+    return tomllib.loads(path.read_text(encoding="utf-8"))
+
+
 def _dependencies(path: Path) -> list[str]:
     """[project].dependencies of the pyproject.toml at ``path``; ConfigError where it is
     not TOML, or the dependencies are not a list of strings."""
     try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        raise ConfigError(f"{path}: reading pyproject.toml needs Python >= 3.11; run the "
-                          "launcher on a newer Python, or list the project's requirements "
-                          f"in {REQUIREMENTS}") from None
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        data = read_toml(path)
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not TOML
         raise ConfigError(f"{path.name}: not a TOML file the nodes can read ({e})") from None
     project = data.get("project", {})
     dependencies = project.get("dependencies", []) if isinstance(project, dict) else None

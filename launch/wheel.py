@@ -82,9 +82,7 @@ def _mapped_elsewhere(dist: importlib.metadata.Distribution) -> list[str]:
     root = _checkout(dist)
     if root is None:
         return []
-    import tomllib  # Python 3.11 on; a checkout of spotring is a developer's
-
-    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    pyproject = project.read_toml(root / "pyproject.toml")
     mapping = pyproject["tool"]["setuptools"]["package-dir"]
     return sorted(name for name, folder in mapping.items()
                   if Path(folder).parts != tuple(name.split(".")))

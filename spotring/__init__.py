@@ -20,11 +20,18 @@ The package is also the base the rest of spotring stands on: trainer/ (the built
 Hydra trainer) uses these modules, launch/ starts jobs and acts on their exit codes
 (spotring/exits.py), benchmarks/ measures them. The ``spotring`` command is
 spotring/cli.py. Names below are imported on first use, so that the command (and
-``import spotring`` in a launcher) does not load torch.
+``import spotring`` in a launcher) does not load torch. The torch it supports:
+spotring/versions.py.
 """
 
 import importlib as _importlib
 import typing as _typing
+
+from spotring import versions as _versions
+
+# An unsupported torch is refused here, before any of it is imported: ImportError for a
+# script, exit 2 for a command, naming the torch needed and the one installed.
+_versions.require_torch(_versions.installed_torch())
 
 # public name: module that defines it
 _EXPORTS = {

@@ -56,7 +56,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from spotring import contract, engines, runtime
+from spotring import contract, engines, runtime, torch_compat, versions
 from spotring.checkpoint import Checkpoint, Checkpoints, note_where
 from spotring.checkpointer import Checkpointer, unwrap
 from spotring.exits import (
@@ -156,6 +156,8 @@ def init(*, engine: str | EngineOptions = "ddp", backend: str | None = None,
         report_bad_input(e, launch.rank, launch.world_size)
         sys.exit(EXIT_CONFIG)
     _announce(launch.rank)
+    if launch.rank == 0 and (untested := versions.torch_untested(torch.__version__)):
+        log.warning("%s", untested)
     runtime.set_threads(threads, launch.local_world_size)
     runtime.seed_all(seed)
     return Job(launch, options, torch_device, run_dir, checkpoints, notices, seed, where)
@@ -290,7 +292,7 @@ class Job:
         dtype = next(model.parameters(), torch.empty(0)).dtype
         self.precision = runtime.pick_precision(precision, self.device,
                                                 str(dtype).removeprefix("torch."))
-        why = runtime.compile_unavailable(self.device) if compile else None
+        why = torch_compat.compile_problem(self.device) if compile else None
         problems = [f"compile=True: {why}"] if why else []
         if problems := problems + self.options.problems(compile=compile,
                                                         precision=self.precision):

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from spotring import torch_compat
+
 log = logging.getLogger(__name__)
 
 
@@ -117,36 +119,8 @@ def pick_precision(preference: str, device: torch.device, dtype: str) -> str:
     if device.type == "cuda":
         native = torch.cuda.is_bf16_supported(including_emulation=False)
     else:
-        capabilities = torch.cpu.get_capabilities()
-        native = capabilities.get("avx512_bf16") or capabilities.get("amx_bf16")
+        native = bool({"avx512_bf16", "amx_bf16"} & torch_compat.cpu_features())
     return "bf16" if native else "fp32"
-
-
-def compile_unavailable(device: torch.device) -> str | None:
-    """Why torch.compile (its default backend, inductor) cannot run on ``device`` here,
-    or None."""
-    import torch._dynamo
-
-    try:
-        torch._dynamo.eval_frame.check_if_dynamo_supported()
-    except Exception as e:
-        return f"torch.compile does not run on this platform ({e})"
-    if device.type == "cpu":
-        from torch._inductor import config as inductor_config
-        from torch._inductor import cpp_builder
-
-        try:  # the search inductor itself makes: $CXX, else g++
-            cpp_builder.get_cpp_compiler()
-        except RuntimeError:
-            names = ", ".join(c for c in inductor_config.cpp.cxx if c)
-            return (f"inductor compiles C++ for the CPU and finds no C++ compiler here "
-                    f"(looked for {names}; set CXX or install g++)")
-    else:
-        from torch.utils._triton import has_triton
-
-        if not has_triton():
-            return "inductor needs Triton for GPU kernels, and it is not installed"
-    return None
 
 
 def set_threads(threads: int | None, local_world_size: int) -> int:

@@ -15,7 +15,8 @@ reader of any world size and any engine asks the metadata for the pieces of its 
 tensors and reads only those: resharding on load.
 
 From a bucket store (S3, GCS, Azure Blob) the pieces are read as byte ranges of the parts
-(``_StoreFiles``), so a rank downloads what it needs, not the checkpoint. This module
+(spotring.torch_compat.store_reader), so a rank downloads what it needs, not the
+checkpoint. This module
 knows nothing of manifests: spotring/checkpointer.py publishes the parts, and
 spotring/checkpoint.py lists and verifies them.
 """
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,13 +34,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from spotring.stores import DirectoryStore, Store
+from spotring.torch_compat import PartWriter, store_reader
 
 __all__ = ["ALONE", "CheckpointException", "Comm", "Staged", "Stager", "failures",
            "load_whole", "read", "write"]
@@ -85,17 +85,6 @@ class Comm:
 ALONE = Comm()
 
 
-class _PartWriter(dcp.FileSystemWriter):
-    """DCP's file writer, remembering the files this rank wrote."""
-
-    written: list[str] = []
-
-    def write_data(self, plan, planner):
-        future = super().write_data(plan, planner)
-        self.written = sorted({r.storage_data.relative_path for r in future.wait()})
-        return future
-
-
 def write(state: dict[str, Any] | Staged, folder: Path, comm: Comm) -> list[str]:
     """Save ``state`` (a collective over ``comm``): every rank writes its part into
     ``folder`` (each host its own, where the ranks do not share a disk). ``state``: the
@@ -105,7 +94,7 @@ def write(state: dict[str, Any] | Staged, folder: Path, comm: Comm) -> list[str]
     folder.mkdir(parents=True, exist_ok=True)
     # overwrite: a save killed before its manifest left parts of this step, which the
     # manifest will not list (and the next save removes).
-    writer = _PartWriter(folder, overwrite=True)
+    writer = PartWriter(folder, overwrite=True)
     planner = _StagedPlanner(state) if isinstance(state, Staged) else None
     with _alone_is_meant(comm):
         dcp.save({} if planner else state, storage_writer=writer, planner=planner,
@@ -188,12 +177,8 @@ def read(state: dict[str, Any], store: Store, folder: str, comm: Comm) -> None:
     """Load the checkpoint in ``folder`` of ``store`` into ``state``'s tensors, in place (a
     collective over ``comm``): each rank reads the pieces its own tensors hold, from any
     world size."""
-    if isinstance(store, DirectoryStore):
-        reader = FileSystemReader(store.path / folder)
-    else:
-        reader = FileSystemReader(folder)
-        reader.fs = _StoreFiles(store)  # byte ranges of the parts, asked of the store
-        reader.path = folder
+    reader = (FileSystemReader(store.path / folder) if isinstance(store, DirectoryStore)
+              else store_reader(store, folder, _READ_AHEAD_BYTES))
     with _alone_is_meant(comm):
         dcp.load(state, storage_reader=reader, process_group=comm.group, no_dist=comm.alone)
 
@@ -227,69 +212,3 @@ def load_whole(folder: Path) -> dict[str, Any]:
         with _alone_is_meant(ALONE):
             dcp_to_torch_save(folder, whole)
         return torch.load(whole, map_location="cpu", weights_only=True)
-
-
-class _StoreObject(io.RawIOBase):
-    """An object of a store read as a seekable file, each read one ranged GET."""
-
-    def __init__(self, store: Store, name: str) -> None:
-        self.store, self.name, self.position = store, name, 0
-        self._size: int | None = None
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.position
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        if whence == os.SEEK_END:
-            if self._size is None:
-                self._size = self.store.size(self.name)
-            offset += self._size
-        elif whence == os.SEEK_CUR:
-            offset += self.position
-        self.position = offset
-        return offset
-
-    def readinto(self, buffer) -> int:
-        data = self.store.read_range(self.name, self.position, len(buffer))
-        buffer[: len(data)] = data
-        self.position += len(data)
-        return len(data)
-
-
-class _StoreFiles(FileSystemBase):
-    """What DCP's FileSystemReader asks of a file system, answered from a store (reads
-    only)."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-
-    @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
-        if mode != "rb":
-            raise io.UnsupportedOperation(f"a store's parts are read here, not written "
-                                          f"({mode})")
-        yield io.BufferedReader(_StoreObject(self.store, str(path)), _READ_AHEAD_BYTES)
-
-    def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
-        return f"{path}/{suffix}"
-
-    def init_path(self, path: str | os.PathLike) -> str:
-        return str(path)
-
-    def _read_only(self, *args: Any) -> Any:
-        raise io.UnsupportedOperation("a store's parts are read here, not written")
-
-    rename = mkdir = rm_file = _read_only
-
-    def exists(self, path: str | os.PathLike) -> bool:
-        return str(path) in self.store.sizes(str(path))
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return False

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,17 @@ from tests.cores import cores, share
 pytest_plugins = ["tests.stores"]
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pyproject() -> dict:
+    """The checkout's pyproject.toml (tomllib from Python 3.11 on; its backport, a
+    dependency of spotring on 3.10, before)."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
 # Keep test runs short and their output readable.
 QUICK = ["telemetry.progress=false"]
 

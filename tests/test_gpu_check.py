@@ -317,6 +317,9 @@ def test_a_wheel_runs_here_by_its_tags(kit_start):
         [True] * len(runs) + [False] * len(foreign)
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason=(
+    "tools/run_bundled.py is standard library only and reads pyproject.toml with tomllib "
+    "(Python 3.11 on): the GPU machine's Python is 3.12"))
 def test_a_bundle_of_other_code_than_the_checkouts_is_refused_naming_the_files(tmp_path,
                                                                                kit_start):
     # The checkout's code copied beside a wheel of it, as `make gpu-bundle` makes one.

@@ -22,9 +22,7 @@ from collections.abc import Iterator
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
-import tomllib
-
-from tests.conftest import REPO
+from tests.conftest import REPO, pyproject
 
 BASE = "spotring"
 LAYERS = (("spotring.conf",), (BASE,), ("spotring.trainer",), ("spotring.launch",),
@@ -35,7 +33,7 @@ SHOWN = " <- ".join(" | ".join(layer) for layer in LAYERS)
 
 def parts() -> dict[str, Path]:
     """Each part's package name -> its folder, as pyproject.toml maps them."""
-    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    setuptools = pyproject()["tool"]["setuptools"]
     return {name: REPO / folder for name, folder in setuptools["package-dir"].items()}
 
 

@@ -158,8 +158,11 @@ def test_automatic_votes_grow_apart_on_fast_steps_and_a_sigterm_still_stops_all_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lost, how, engine", [(1, "SIGKILL", "fsdp"), (0, "SIGKILL", "ddp"),
-                                             (1, "SIGSTOP", "ddp")])
+@pytest.mark.parametrize("lost, how, engine", [
+    # Each engine saved, lost a rank, and restored on another world size: at both ends.
+    pytest.param(1, "SIGKILL", "fsdp", marks=pytest.mark.ends),
+    pytest.param(0, "SIGKILL", "ddp", marks=pytest.mark.ends),
+    (1, "SIGSTOP", "ddp")])
 def test_a_lost_rank_ends_the_others_with_69_naming_it_and_the_run_resumes(
         tmp_path, reference, lost, how, engine):
     """No notice, no goodbye: a rank killed (or hung, as a wedged GPU leaves it) at step 5
@@ -286,7 +289,9 @@ def test_a_rank_killed_while_parts_are_written_leaves_the_previous_checkpoint_ne
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("uri", [*EMULATORS], indirect=True)
+@pytest.mark.parametrize("uri", [  # read back through DCP from a store: at both ends
+    pytest.param(scheme, marks=[pytest.mark.ends] if scheme == "s3" else [])
+    for scheme in EMULATORS], indirect=True)
 def test_every_rank_stores_its_part_and_a_fresh_machine_restores_from_the_store_alone(
         tmp_path, reference, uri):
     """Each cloud's store: both ranks' parts go up (the store holds every part its

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from spotring import torch_compat
 from spotring.runtime import Launch, detect, pick_precision
 
 CASES = {
@@ -86,7 +87,8 @@ def test_freed_activations_stay_in_the_process(mode):
 def test_auto_precision_is_bf16_only_where_the_cpu_computes_in_bf16(monkeypatch, capabilities,
                                                                     expected):
     # The CPU's capabilities are faked: no one machine has all three kinds of CPU.
-    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
+    monkeypatch.setattr(torch_compat, "cpu_features",
+                        lambda: {name for name, has in capabilities.items() if has})
     assert pick_precision("auto", torch.device("cpu"), "float32") == expected
 
 

@@ -71,6 +71,7 @@ def epoch(shards: Shards, world_size: int, rank: int, global_batch: int, number:
 
 
 @pytest.mark.slow
+@pytest.mark.ends
 def test_every_global_batch_keeps_its_keys_through_sigterm_on_2_sigkill_on_3_resume_on_1(
         tmp_path, s3):
     uri = "s3://spotring/audit"

@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from spotring.exits import Diverged
 from spotring.job import Job
 from spotring.telemetry import Telemetry, epoch_number
+from spotring.torch_compat import compiled_graphs
 from spotring.trainer.config import DType, global_batch
 from spotring.trainer.data import Batch, Batches, LoaderBatches
 from spotring.trainer.datasets import Dataset, MapDataset
@@ -111,13 +112,6 @@ class Stopwatch:
     def add(self, seconds: float) -> None:
         """Count a stretch timed apart (a step that turned out not to compile)."""
         self.total += seconds
-
-
-def compiled_graphs() -> int:
-    """How many graphs torch.compile has compiled in this process so far."""
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
 
 
 def _every(step: int, interval: int) -> bool:

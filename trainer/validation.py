@@ -199,7 +199,7 @@ def gpu_path_problems(cfg: DictConfig) -> list[str]:
         return problems
     import torch  # only for these two options: the rest of validate needs no torch
 
-    from spotring.runtime import compile_unavailable
+    from spotring.torch_compat import compile_problem
 
     on_cpu = train.device == "cpu" or (train.device == "auto" and not torch.cuda.is_available())
     if train.precision == "fp16" and on_cpu:
@@ -208,7 +208,7 @@ def gpu_path_problems(cfg: DictConfig) -> list[str]:
             f"{'' if train.device == 'cpu' else ', and torch sees no GPU'}): float16 with a "
             "gradient scaler is a GPU path; valid on the CPU: fp32, bf16")
     if train.compile:
-        why = compile_unavailable(torch.device("cpu" if on_cpu else "cuda"))
+        why = compile_problem(torch.device("cpu" if on_cpu else "cuda"))
         if why:
             problems.append(f"train.compile=true: {why}; valid here: train.compile=false")
     return problems

@@ -42,8 +42,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.optim import Optimizer
 
 from spotring.engines import register
@@ -202,6 +200,10 @@ class FSDPEngine(ProcessGroupEngine):
 
     def prepare(self, model: nn.Module, optimizer: Optimizer | OptimizerFactory,
                 accumulation: int, *, precision: str = "fp32") -> tuple[nn.Module, Optimizer]:
+        # Imported once the engine is chosen: every engine's module is imported to list
+        # the engines, and a job under DDP loads no FSDP.
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
         blocks = blocks_of(model, self.options.blocks)
         names = _parameter_names(model, optimizer) if isinstance(optimizer, Optimizer) else None
         self._broadcast_from_rank_0(model)
@@ -228,11 +230,13 @@ class FSDPEngine(ProcessGroupEngine):
             for tensor in itertools.chain(model.parameters(), model.buffers()):
                 dist.broadcast(tensor.detach(), src=0)
 
-    def _mesh(self) -> DeviceMesh:
+    def _mesh(self) -> Any:
         """The ranks FSDP shards over: all of them (1-D), or groups of shard_size
         consecutive ranks, replicated across the groups (2-D, HSDP). Built from groups
         made here with engine.timeout_s: init_device_mesh's own would wait for a lost rank
         torch's default 10 or 30 minutes."""
+        from torch.distributed.device_mesh import DeviceMesh
+
         size = self.options.shard_size or self.world_size
         if size == self.world_size:
             return DeviceMesh.from_group(dist.group.WORLD, self.device.type,

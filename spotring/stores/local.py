@@ -12,7 +12,6 @@ folder's last object is deleted.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import secrets
@@ -87,10 +86,6 @@ class DirectoryStore(Store):
         with open(self.path / name, "rb") as f:
             while chunk := f.read(CHUNK_BYTES):
                 yield chunk
-
-    def sha256(self, name: str) -> str:
-        with open(self.path / name, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
 
     def write(self, name: str, data: bytes) -> None:
         """Write ``name`` whole (write_atomic), then remove the temporary files of writes

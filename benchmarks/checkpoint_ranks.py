@@ -40,7 +40,7 @@ from spotring.stores import write_atomic
 WIDTH = 1024  # of every block: a 4 MiB weight, the largest tensor of the state
 BATCH = 2  # rows per rank and step: the step's time is AdamW's and the allreduce's
 SAFETY_STEPS = 100_000  # notice mode: a run the notice never reached ends here, failed
-# The thread a background save writes in (spotring/checkpointer.py names it so).
+# The thread a background save writes in (spotring/checkpoint/manager.py names it so).
 _SAVING_THREAD = "spotring-checkpoint-"
 
 

@@ -32,7 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-from spotring import checkpoint
 from spotring.benchmarks import record
 from spotring.benchmarks.checkpoint_ranks import WIDTH, blocks_for, state_bytes
 from spotring.benchmarks.checkpoint_scaling_report import derive, render, stalls
@@ -46,7 +45,8 @@ from spotring.benchmarks.runs import (
     wait_for,
 )
 from spotring.benchmarks.suite import counts
-from spotring.checkpoint import Checkpoints
+from spotring.checkpoint import layout
+from spotring.checkpoint.layout import Checkpoints
 from spotring.exits import PREEMPTED
 
 NAME = "spotring.benchmarks.checkpoint_scaling"
@@ -116,11 +116,11 @@ def check_upload(client, prefix: str, note: dict) -> None:
     every part its manifest lists, each as long as the manifest says, upload_bytes in all
     (RuntimeError naming the object otherwise)."""
     step = note["step"]
-    key = f"{prefix}/{checkpoint.manifest_name(step)}"
+    key = f"{prefix}/{layout.manifest_name(step)}"
     manifest = json.loads(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
     total = 0
     for name, part in manifest["parts"].items():
-        part_key = f"{prefix}/{checkpoint.folder_name(step)}/{name}"
+        part_key = f"{prefix}/{layout.folder_name(step)}/{name}"
         on_s3 = client.head_object(Bucket=BUCKET, Key=part_key)["ContentLength"]
         if on_s3 != part["bytes"]:
             raise RuntimeError(f"s3://{BUCKET}/{part_key}: {on_s3} bytes, its manifest "
@@ -203,7 +203,7 @@ def notice_once(gigabytes: float, workers: int, mode: str, run_dir: Path, s3: di
                                f"{proc.returncode}); see {run_dir / 'output.log'}")
         memories.append(json.loads(path.read_text()))
     note = json.loads((run_dir / PREEMPTED).read_text())
-    (saved,) = Checkpoints(checkpoint.directory_of(run_dir), keep=1).found()
+    (saved,) = Checkpoints(layout.directory_of(run_dir), keep=1).found()
     if s3:
         check_upload(s3["client"], run_dir.name, note)
         _delete_prefix(s3["client"], run_dir.name)

@@ -21,7 +21,7 @@ import tarfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from spotring import checkpoint
+from spotring.checkpoint import layout
 from spotring.launch.provider import Node
 from spotring.launch.rundir import RunDir
 from spotring.launch.ssh import RemoteError, Ssh, on_each
@@ -68,15 +68,15 @@ def fetch(ssh: Ssh, node: Node, workdir: str, results: str, dest: Path) -> list[
     be large."""
     run_dir = f"{workdir}/{results}"
     src = shlex.quote(run_dir)
-    note = ssh.run(node, f"cd {src} && {{ cat {checkpoint.WHERE} 2>/dev/null || true; }}",
+    note = ssh.run(node, f"cd {src} && {{ cat {layout.WHERE} 2>/dev/null || true; }}",
                    check=False)
     if note.returncode != 0:  # no such directory: the job wrote nothing
         return []
-    folder = shlex.quote(str(checkpoint.directory_of(run_dir, note.stdout.decode() or None)))
+    folder = shlex.quote(str(layout.directory_of(run_dir, note.stdout.decode() or None)))
     listed = ssh.run(node, f"ls -1 {folder} 2>/dev/null || true")
     names = listed.stdout.decode().split()
-    newest = [name for manifest in checkpoint.manifests(names)[:1]
-              for name in checkpoint.files_of(manifest) if name in names]
+    newest = [name for manifest in layout.manifests(names)[:1]
+              for name in layout.files_of(manifest) if name in names]
     dest.mkdir(parents=True, exist_ok=True)
     fetched = _untar(ssh, node, f"cd {src} && tar -czf - --exclude=./checkpoints .", dest)
     if newest:

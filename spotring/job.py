@@ -34,11 +34,11 @@ The contract (docs/api.md):
 - Inside ``with``: a lost or hung rank ends the others with 69, naming it; a
   ``check_finite`` that failed ends every rank with 65; ConfigError with 2. Any other
   way out (sys.exit, an exception) first lets a background save in flight finish.
-- Checkpoints: every rank writes its part (spotring/checkpointer.py), a periodic ``save`` in
+- Checkpoints: every rank writes its part (spotring/checkpoint/manager.py), a periodic ``save`` in
   the background; ``restore`` reads each rank's part back onto any world size and engine.
 - Only rank 0 writes metrics.jsonl, TensorBoard and summary.json in ``run_dir``.
 
-Exit codes: spotring/exits.py; what checkpoints hold and how: spotring/checkpointer.py.
+Exit codes: spotring/exits.py; what checkpoints hold and how: spotring/checkpoint/manager.py.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from spotring import contract, engines, runtime, torch_compat, versions
-from spotring.checkpoint import Checkpoint, Checkpoints, note_where
-from spotring.checkpointer import Checkpointer, unwrap
+from spotring.checkpoint.layout import Checkpoint, Checkpoints, note_where
+from spotring.checkpoint.manager import Checkpointer, unwrap
 from spotring.exits import (
     DIVERGED,
     EXIT_CONFIG,
@@ -79,6 +79,7 @@ from spotring.options import (
     PreemptionOptions,
     require_one_of,
 )
+from spotring.position import Position
 from spotring.preemption import Preemption, notice_budget
 from spotring.shards.dataset import gather_reads
 from spotring.stores import write_atomic
@@ -93,7 +94,7 @@ def init(*, engine: str | EngineOptions = "ddp", backend: str | None = None,
          timeout_s: float | None = None, bucket_mb: float | None = None,
          sync_bn: bool | None = None, compression: str | None = None, device: str = "auto",
          run_dir: str | os.PathLike | None = None,
-         checkpoint: CheckpointOptions | None = None,
+         checkpoint: CheckpointOptions | Checkpoints | None = None,
          checkpoint_dir: str | os.PathLike | None = None, checkpoint_uri: str | None = None,
          keep: int | None = None, preemption: PreemptionOptions | None = None,
          notices: str | None = None, check_every_steps: int | None = None,
@@ -117,12 +118,14 @@ def init(*, engine: str | EngineOptions = "ddp", backend: str | None = None,
     device: "auto" (the local rank's GPU where torch sees one, else the CPU), "cpu" or
         "cuda".
     run_dir: where rank 0 writes metrics.jsonl, tensorboard/, summary.json and the notes
-        of why it stopped; default $SPOTRING_RUN_DIR (set by spotring's launchers), else
-        ./runs/<script name>.
-    checkpoint: a spotring.CheckpointOptions (dir, uri, keep); checkpoint_dir,
-        checkpoint_uri and keep, where given, replace its fields. Defaults: the run_dir's
-        checkpoints/; the store $SPOTRING_CHECKPOINT_URI names (s3://, gs://, az://),
-        else none; 3 kept.
+        of why it stopped (made by init); default $SPOTRING_RUN_DIR (set by spotring's
+        launchers), else ./runs/<script name>.
+    checkpoint: a spotring.CheckpointOptions (dir, uri, keep, background, sharded);
+        checkpoint_dir, checkpoint_uri and keep, where given, replace its fields.
+        Defaults: the run_dir's checkpoints/; the store $SPOTRING_CHECKPOINT_URI names
+        (s3://, gs://, az://; a directory as file:///path), else none; 3 kept. Or the
+        stores CheckpointOptions.open already opened (and checked), which are taken as
+        they are.
     preemption: a spotring.PreemptionOptions (notices, poll_seconds, check_every_steps);
         notices and check_every_steps, where given, replace its fields. Defaults: watch
         the metadata service of the cloud found (EC2, GCP or Azure) for spot notices
@@ -138,20 +141,24 @@ def init(*, engine: str | EngineOptions = "ddp", backend: str | None = None,
         options = engines.options_for(engine, backend=backend, timeout_s=timeout_s,
                                       bucket_mb=bucket_mb, sync_bn=sync_bn,
                                       compression=compression)
-        where = (checkpoint or CheckpointOptions()).replaced(
-            "checkpoint", dir=checkpoint_dir, uri=checkpoint_uri, keep=keep)
         notices = (preemption or PreemptionOptions()).replaced(
             "preemption", notices=notices, check_every_steps=check_every_steps)
-        if problems := where.problems() + notices.problems():
+        problems = []
+        if not isinstance(checkpoint, Checkpoints):
+            checkpoint = (checkpoint or CheckpointOptions()).replaced(
+                "checkpoint", dir=checkpoint_dir, uri=checkpoint_uri, keep=keep)
+            problems = checkpoint.problems()
+        if problems := problems + notices.problems():
             raise ConfigError("; ".join(problems))
         require_one_of("device", device, Device)
         torch_device = runtime.pick_device(device, launch.local_rank)
         engines.check(options, launch, torch_device)
         run_dir = Path(run_dir or contract.run_dir()
                        or Path("runs") / Path(sys.argv[0]).stem).absolute()
-        checkpoints = where.open(run_dir)
-        if checkpoints.remote is not None and launch.rank == 0:
-            checkpoints.remote.check_access()
+        checkpoints = (checkpoint if isinstance(checkpoint, Checkpoints)
+                       else checkpoint.open(run_dir))
+        if launch.rank == 0:
+            checkpoints.check_access()
     except ConfigError as e:
         report_bad_input(e, launch.rank, launch.world_size)
         sys.exit(EXIT_CONFIG)
@@ -160,7 +167,7 @@ def init(*, engine: str | EngineOptions = "ddp", backend: str | None = None,
         log.warning("%s", untested)
     runtime.set_threads(threads, launch.local_world_size)
     runtime.seed_all(seed)
-    return Job(launch, options, torch_device, run_dir, checkpoints, notices, seed, where)
+    return Job(launch, options, torch_device, run_dir, checkpoints, notices, seed)
 
 
 def _announce(rank: int) -> None:
@@ -179,33 +186,39 @@ class Job:
     """This process's part of a data-parallel job: what ``spotring.init`` returns, having
     checked its input; its arguments are init's, checked and resolved: the ``launch``
     (spotring.runtime.detect), the ``engine``'s options, the torch ``device``, the
-    ``run_dir``, the ``checkpoints`` (CheckpointOptions.open), the ``preemption``
-    options, the ``seed``, and ``checkpointing``, the CheckpointOptions the checkpoints
-    were opened with (background, sharded).
+    ``run_dir``, the ``checkpoints`` (CheckpointOptions.open: the stores and how to save
+    to them), the ``preemption`` options and the ``seed``.
 
     rank, world_size, local_rank, device: this process's place in the job; is_main: rank
     0, the one process that writes files; options: the engine's options; engine: the
     spotring engine averaging the gradients; precision: ``wrap``'s, as resolved ("fp32",
-    "bf16" or "fp16"); run_dir: where rank 0 writes; checkpoints: where every rank writes
-    its part of each checkpoint."""
+    "bf16" or "fp16"); run_dir: where rank 0 writes (rank 0 makes it); checkpoints: where
+    every rank writes its part of each checkpoint, in rank 0's directory on every rank."""
 
     def __init__(self, launch: runtime.Launch, engine: EngineOptions, device: torch.device,
                  run_dir: Path, checkpoints: Checkpoints, preemption: PreemptionOptions,
-                 seed: int, checkpointing: CheckpointOptions | None = None) -> None:
-        checkpointing = checkpointing or CheckpointOptions()
-        self.launch, self.run_dir, self.checkpoints = launch, run_dir, checkpoints
+                 seed: int) -> None:
+        self.launch, self.run_dir = launch, run_dir
         self.seed, self.options = seed, engine
         self.engine = engines.create(engine, launch, device)
         self.rank, self.world_size = self.engine.rank, self.engine.world_size
         self.local_rank, self.device = self.engine.local_rank, device
+        if self.world_size > 1:  # rank 0's directory, whatever the others' defaults say
+            checkpoints = checkpoints.in_directory(
+                self.engine.broadcast_object(str(checkpoints.local.path)))
+        self.checkpoints = checkpoints
+        if self.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
         self.preemption = Preemption(preemption, self.engine, self.local_rank)
         self.scaler = torch.amp.GradScaler(device.type, enabled=False)
         self.precision = "fp32"
-        self.background_saves = checkpointing.background
-        self._checkpointer = Checkpointer(checkpoints, self.engine, seed,
-                                          checkpointing.sharded,
+        self._checkpointer = Checkpointer(checkpoints, self.engine, seed, checkpoints.sharded,
                                           lambda: self.preemption.notice_seconds)
         self._noted_where = False  # rank 0's note of where the checkpoints are
+        self._position: Position | None = None  # the tracked one
+        self._steps = 0  # should_stop's count, where no position is tracked
+        self._start_step = 0  # the step this process started from (restored, or 0)
+        self._datasets: list[Any] = []  # whose reads summary.json gives (``count_reads``)
         self._loader: DataLoader | None = None
         self._model: nn.Module | None = None  # the wrapped model, for no_sync
         self._accumulation = 1  # micro-batches per optimizer step (wrap's)
@@ -256,6 +269,7 @@ class Job:
                             seed=self.seed if seed is None else seed, rank=self.rank,
                             world_size=self.world_size, **dataloader_kwargs)
         self._loader = loader
+        self.count_reads(dataset)
         return loader
 
     def wrap(self, model: nn.Module, optimizer: Optimizer | engines.OptimizerFactory, *,
@@ -381,12 +395,26 @@ class Job:
     # -------------------------------------------------------------------- checkpoints
 
     def track(self, **state: Any) -> None:
-        """What every checkpoint holds: ``state``, by name (the keywords): objects with state_dict()
-        and load_state_dict() (model, optimizer, scheduler, GradScaler,
+        """What every checkpoint holds: ``state``, by name (the keywords): objects with
+        state_dict() and load_state_dict() (model, optimizer, scheduler, GradScaler,
         spotring.DataLoader) or plain dicts (restored in place). A wrapped or compiled
         model is saved as the plain module, so checkpoints load in any world size or
-        engine. A tracked spotring.DataLoader gives ``step_count``."""
+        engine. A tracked position (spotring.position.Position: a spotring.DataLoader, or
+        the trainer's) gives ``step_count``; a tracked loader's dataset counts its reads
+        (``count_reads``)."""
         self._checkpointer.tracked.update(state)
+        for obj in state.values():
+            if isinstance(obj, Position):
+                self._position = obj
+            if isinstance(obj, DataLoader):
+                self.count_reads(obj.dataset)
+
+    def count_reads(self, *datasets: Any) -> None:
+        """Give the reads of ``datasets`` (those that count theirs: spotring.Shards) in
+        summary.json, every rank's per epoch (``finish``). A loader's dataset, made by
+        ``loader`` or tracked, counts already."""
+        self._datasets += [d for d in datasets if hasattr(d, "reads")
+                           and all(d is not known for known in self._datasets)]
 
     def annotate(self, **fields: Any) -> None:
         """``fields`` (JSON values: what the run trains) every checkpoint's manifest carries
@@ -396,9 +424,9 @@ class Job:
 
     @property
     def step_count(self) -> int:
-        """Optimizer steps taken: from the tracked loader's position (the same on every
-        world size), else the calls of ``should_stop``."""
-        return self._checkpointer.step_count
+        """Optimizer steps taken: the tracked position's (the same on every world size),
+        else the calls of ``should_stop``."""
+        return self._steps if self._position is None else self._position.step
 
     @property
     def saved_step(self) -> int | None:
@@ -412,7 +440,7 @@ class Job:
 
     def save(self, background: bool | None = None) -> int:
         """Checkpoint the tracked state (every rank calls it; every rank writes its part,
-        spotring/checkpointer.py): read back on disk and in the uri's store and published by
+        spotring/checkpoint/manager.py): read back on disk and in the uri's store and published by
         its manifest, the oldest beyond ``keep`` dropped. Returns its step. Raises
         Diverged where a tracked model's weights are not finite: never a checkpoint to
         resume a diverged run from. Rank 0 notes in run_dir where the checkpoints are
@@ -427,7 +455,8 @@ class Job:
         if self.is_main and not self._noted_where:
             note_where(self.run_dir, self.checkpoints)
             self._noted_where = True
-        self._checkpointer.save(self.scaler, self.background_saves if background is None
+        self._checkpointer.save(self.step_count, self._position, self.scaler,
+                                self.checkpoints.background if background is None
                                 else background)
         return self.step_count
 
@@ -441,9 +470,13 @@ class Job:
         source (rank 0's counts): "auto", the newest valid checkpoint of the checkpoint
         directory and uri; "never", none (ConfigError where checkpoints exist, which new
         ones would mix with); the path of a manifest (ckpt-N.json), of a checkpoint's
-        folder, or of a single-file checkpoint's .pt (older spotring); or a Checkpoint
-        already found (None: none)."""
-        return self._checkpointer.restore(source, self.scaler)
+        folder, or of a single-file checkpoint's .pt (older spotring); a Checkpoint
+        already found, or a list of them found by spotring.checkpoint.layout.find_resume,
+        tried as "auto" tries its own (None: none)."""
+        step = self._checkpointer.restore(source, self.scaler)
+        if step is not None:
+            self._steps = self._start_step = step
+        return step
 
     # ---------------------------------------------------------------------------- stop
 
@@ -453,6 +486,7 @@ class Job:
         vote every PreemptionOptions.check_every_steps, by default as often as keeps the
         vote near 1% of the steps' time). An EC2 rebalance recommendation checkpoints
         here and goes on."""
+        self._steps += 1
         self._checkpointer.step_taken()
         decision = self.preemption.decide()
         if decision.checkpoint and self.saved_step != self.step_count:
@@ -492,8 +526,8 @@ class Job:
         if not self.is_main:
             return
         step = self.step_count if step is None else step
-        loader = self._checkpointer.position() or self._loader
-        self.telemetry.record(kind, step, None if loader is None else loader.epoch,
+        position = self._position or self._loader
+        self.telemetry.record(kind, step, None if position is None else position.epoch,
                               **{k: float(v) for k, v in scalars.items()})
 
     def finish(self, **results: Any) -> dict[str, Any]:
@@ -501,8 +535,8 @@ class Job:
         ``results`` such as test_accuracy, over the run's steps, workers, global batch,
         seconds and img/s); then leave the process group. Returns the summary."""
         seconds = time.perf_counter() - self._started
-        loader = self._checkpointer.position() or self._loader
-        steps = self.step_count - self._checkpointer.start_step
+        position = self._position or self._loader
+        steps = self.step_count - self._start_step
         summary: dict[str, Any] = {
             "steps": self.step_count, "steps_this_run": steps, "train_seconds": seconds,
             "world_size": self.world_size, "launcher": self.launch.launcher,
@@ -510,11 +544,12 @@ class Job:
             "precision": self.precision, "run_dir": str(self.run_dir),
             "checkpoints": self.checkpoints.where,
         }
-        if loader is not None:
-            summary |= {"global_batch": loader.global_batch,
-                        "epochs": self.step_count / loader.steps_per_epoch,
-                        "images_per_second": steps * loader.global_batch / max(seconds, 1e-9)}
-        summary |= gather_reads(self) | results  # every rank's reads of spotring.Shards
+        if position is not None:
+            summary |= {"global_batch": position.global_batch,
+                        "epochs": self.step_count / position.steps_per_epoch,
+                        "images_per_second": steps * position.global_batch
+                        / max(seconds, 1e-9)}
+        summary |= gather_reads(self, self._datasets) | results  # every rank's, per epoch
         if self.is_main:
             write_atomic(self.run_dir / "summary.json",
                          json.dumps(summary, indent=2, default=str).encode())

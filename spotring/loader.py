@@ -47,8 +47,9 @@ class DataLoader(torch.utils.data.DataLoader):
         (accumulation) that keep to it. Default: its whole share in one.
     seed: of the order, one permutation per epoch seeded by (seed, epoch).
     order: the epoch's permutation as a function of (seed, epoch, G)
-        (spotring.sampler.Order); default the dataset's own ``epoch_order`` method where
-        it has one (spotring.Shards: long runs of its shards), else a uniform permutation.
+        (spotring.sampler.Order); default the dataset's own ``start_epoch`` method where
+        it has one (spotring.Shards: long runs of its shards, and the epoch its reads
+        count for), else a uniform permutation.
     rank, world_size: this worker's place; default the launcher's environment
         (spotring.runtime.detect).
     kwargs: to torch's DataLoader (num_workers, pin_memory, persistent_workers,
@@ -77,7 +78,7 @@ class DataLoader(torch.utils.data.DataLoader):
         micro, accumulation = split_global_batch(global_batch, world_size, batch_size)
         sampler = GlobalBatchSampler(len(dataset), global_batch, rank=rank,
                                      world_size=world_size, accumulation=accumulation, seed=seed,
-                                     order=order or getattr(dataset, "epoch_order", None))
+                                     order=order or getattr(dataset, "start_epoch", None))
         super().__init__(dataset, batch_sampler=sampler, **kwargs)
         # torch leaves batch_size None under a batch_sampler and then refuses to set it;
         # every batch of this one has B samples, which is what batch_size means to readers.
@@ -106,6 +107,12 @@ class DataLoader(torch.utils.data.DataLoader):
     def steps_per_epoch(self) -> int:
         """Optimizer steps (global batches) in a whole epoch."""
         return self.batch_sampler.steps_per_epoch
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken since the run began: the global batches handed out
+        completely, the same on any number of workers (spotring.position.Position)."""
+        return self.epoch * self.steps_per_epoch + self.offset // self.global_batch
 
     @property
     def is_step_boundary(self) -> bool:

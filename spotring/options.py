@@ -34,7 +34,7 @@ from spotring.exits import ConfigError
 from spotring.stores import uri_problem
 
 if TYPE_CHECKING:
-    from spotring.checkpoint import Checkpoints
+    from spotring.checkpoint.layout import Checkpoints
 
 
 class Choice(str, Enum):
@@ -164,7 +164,7 @@ class CheckpointOptions(Options):
         one in flight); the save on a notice is always written at once. False: every save
         is complete before it returns.
     sharded: every rank writes its part of each checkpoint and reads back what it needs
-        (spotring/checkpointer.py). Default (None): where every rank can read every part, that
+        (spotring/checkpoint/manager.py). Default (None): where every rank can read every part, that
         is on one host or with a uri; else rank 0 gathers the state and writes it alone.
         False: rank 0 alone, always.
     """
@@ -184,11 +184,13 @@ class CheckpointOptions(Options):
 
     def open(self, run_dir: str | os.PathLike) -> Checkpoints:
         """The checkpoint stores of a run writing in ``run_dir``, with the defaults above
-        applied; ConfigError for a uri of no store (spotring.stores.uri_problem)."""
-        from spotring.checkpoint import Checkpoints
+        applied; ConfigError for a uri of no store (spotring.stores.uri_problem). Makes no
+        request: Checkpoints.check_access does."""
+        from spotring.checkpoint.layout import Checkpoints
 
         return Checkpoints(self.dir or Path(run_dir) / "checkpoints", self.keep,
-                           self.uri or contract.checkpoint_uri())
+                           self.uri or contract.checkpoint_uri(), background=self.background,
+                           sharded=self.sharded)
 
 
 @dataclass

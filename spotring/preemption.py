@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from spotring import metadata
-from spotring.checkpoint import Checkpoints, Saved
+from spotring.checkpoint.layout import Checkpoints, Saved
 from spotring.engines import Engine
 from spotring.options import PreemptionOptions
 

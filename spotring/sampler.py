@@ -33,6 +33,7 @@ from torch.utils.data import Sampler
 
 from spotring.exits import ConfigError
 from spotring.global_batch import check_world_size
+from spotring.position import refuse_another_global_batch
 
 
 def seeded_generator(*key: int) -> torch.Generator:
@@ -50,7 +51,8 @@ def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
 # An epoch's order as a function of (seed, epoch, global batch G): a permutation of the
 # dataset's N sample indices, the same in every process; global batch i is its i-th slice
 # of G. It may depend on G (spotring.Shards cuts the epoch into G streams), never on the
-# world size, the rank or the accumulation.
+# world size, the rank or the accumulation. It is called as each epoch's iteration begins
+# (spotring.Shards.start_epoch learns the epoch so).
 Order = Callable[[int, int, int], torch.Tensor]
 
 
@@ -113,7 +115,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
             raise ConfigError(
                 f"the global batch of {global_batch} samples does not split into {world_size} "
                 f"workers x {accumulation} accumulation steps of equal micro-batches "
-                "(spotring.sampler.split_global_batch chooses a split that does)")
+                "(spotring.split_global_batch chooses a split that does)")
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is not one of the {world_size} workers "
                               f"(0..{world_size - 1})")
@@ -155,13 +157,14 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Stand where ``state`` was taken, on any world size and accumulation. Refuses
-        another seed or global batch: the sample sequence would not be the same."""
-        for key in ("seed", "global_batch"):
-            if int(state[key]) != getattr(self, key):
-                raise ConfigError(
-                    f"the data position was saved with {key} {int(state[key])}, this run has "
-                    f"{key} {getattr(self, key)}: the sample sequence would differ; keep "
-                    f"{key}={int(state[key])} to continue it")
+        (ConfigError) another seed or global batch (spotring.position's rule): the sample
+        sequence would not be the same."""
+        if int(state["seed"]) != self.seed:
+            raise ConfigError(
+                f"the data position was saved with seed {int(state['seed'])}, this run has "
+                f"seed {self.seed}: the sample sequence would differ; keep "
+                f"seed={int(state['seed'])} to continue it")
+        refuse_another_global_batch(int(state["global_batch"]), self.global_batch)
         self.seek(int(state["epoch"]), int(state["offset"]))
 
     def __iter__(self) -> Iterator[list[int]]:

@@ -19,8 +19,8 @@ import pytest
 import torch
 from filelock import FileLock
 
-from spotring.checkpoint import Checkpoint, Checkpoints
-from spotring.checkpointer import load_whole
+from spotring.checkpoint.layout import Checkpoint, Checkpoints
+from spotring.checkpoint.parts import load_whole
 from spotring.launch.commands import local_command, local_environment
 from spotring.trainer.config import compose
 from tests.cores import cores, share

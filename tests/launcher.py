@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from spotring.checkpoint import Checkpoints
+from spotring.checkpoint.layout import Checkpoints
 from spotring.launch.local import netns
 from spotring.launch.rundir import RunDir
 from tests.conftest import REPO

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import spotring
-from spotring.checkpoint import directory_of, folder_name, newest_valid
+from spotring.checkpoint.layout import directory_of, folder_name, newest_valid
 from spotring.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, PREEMPTED, Diverged
 from spotring.polling import poll
 from tests.commands import call
@@ -162,7 +162,7 @@ def test_a_non_finite_loss_or_weights_is_a_divergence(tmp_path):
             model.weight.view(-1)[:len(bad)] = torch.tensor(bad)
         with pytest.raises(Diverged, match="the weights are not finite"):
             j.save()
-    from spotring.checkpoint import folder_name, manifest_name
+    from spotring.checkpoint.layout import folder_name, manifest_name
 
     # Only the finite step 0's.
     assert {p.name for p in (tmp_path / "checkpoints").iterdir()} == {folder_name(0),

@@ -1,7 +1,7 @@
 """Checkpoints: atomic, verified, pruned; resume continues exactly where a run stopped.
 
 A checkpoint is a folder of parts (DCP's .metadata, each rank's data file, rank 0's
-spotring.pt) published by its manifest, written last (spotring/checkpoint.py); format 1,
+spotring.pt) published by its manifest, written last (spotring/checkpoint/layout.py); format 1,
 one .pt beside its manifest, is still read. The names come from spotring.checkpoint."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import spotring
-from spotring.checkpoint import (
+from spotring.checkpoint.layout import (
     EXTRAS,
     FORMAT,
     SINGLE_FILE,
@@ -35,9 +35,9 @@ from spotring.checkpoint import (
     folder_name,
     manifest_name,
 )
-from spotring.checkpointer import load_whole, publish
+from spotring.checkpoint.manager import publish
+from spotring.checkpoint.parts import METADATA, load_whole
 from spotring.exits import ConfigError
-from spotring.sharded import METADATA
 from tests.conftest import REPO, assert_close, run_trainer
 
 MODEL = {"name": "convnet", "l1": 0.0, "channels": [32, 64], "kernels": [5, 5], "hidden": 128}

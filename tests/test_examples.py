@@ -28,7 +28,7 @@ import torch
 from PIL import Image
 from torchvision.datasets import ImageFolder
 
-from spotring.checkpoint import Checkpoints, folder_name
+from spotring.checkpoint.layout import Checkpoints, folder_name
 from spotring.exits import EXIT_PREEMPTED
 from spotring.launch.commands import BIN, local_environment
 from spotring.sampler import epoch_order

@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from spotring import checkpoint
 from spotring.benchmarks.runs import (
     drop_heavy,
     json_line,
@@ -41,7 +40,8 @@ from spotring.benchmarks.time_to_accuracy import (
     seconds_to,
     trainer_steps,
 )
-from spotring.checkpointer import load_whole
+from spotring.checkpoint import layout
+from spotring.checkpoint.parts import load_whole
 from spotring.exits import EXIT_PREEMPTED
 from spotring.trainer.config import compose
 from spotring.trainer.validation import gpu_path_problems
@@ -114,7 +114,7 @@ def devices(request) -> Devices:
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     """The model of a trainer run's newest checkpoint."""
-    return load_whole(checkpoint.newest_valid(run_dir / "checkpoints"))["model"]
+    return load_whole(layout.newest_valid(run_dir / "checkpoints"))["model"]
 
 
 def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spotring.checkpoint import newest_valid
+from spotring.checkpoint.layout import newest_valid
 from spotring.exits import EXIT_PREEMPTED
 from spotring.launch.commands import local_command, local_environment
 from spotring.polling import poll

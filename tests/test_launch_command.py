@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from spotring.checkpoint import Checkpoints
+from spotring.checkpoint.layout import Checkpoints
 from spotring.exits import EXIT_CONFIG
 from spotring.launch.__main__ import main
 from spotring.launch.local import netns

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from spotring.checkpoint import folder_name, manifest_name, newest_valid
+from spotring.checkpoint.layout import folder_name, manifest_name, newest_valid
 from spotring.launch import config
 from spotring.launch.local import netns
 from spotring.launch.local.provider import FIRST_HOST, LocalCluster

@@ -130,15 +130,15 @@ def test_packages_import_only_those_below_them():
 
 
 def test_an_upward_or_sideways_import_is_named_with_its_line():
-    paths = {"spotring.checkpoint": REPO / "spotring/checkpoint.py",
+    paths = {"spotring.job": REPO / "spotring/job.py",
              "spotring.trainer.config": REPO / "trainer/config.py",
              "spotring.sweep.report": REPO / "sweep/report.py"}
-    graph = {"spotring.checkpoint": {"spotring.trainer.config": 12},
-             "spotring.trainer.config": {"spotring.checkpoint": 5},
+    graph = {"spotring.job": {"spotring.trainer.config": 12},
+             "spotring.trainer.config": {"spotring.job": 5},
              "spotring.sweep.report": {"spotring.benchmarks.plots": 30,
                                        "spotring.launch": 31}}
     assert upward_imports(graph, paths) == [
-        "spotring/checkpoint.py:12: spotring.checkpoint imports spotring.trainer.config, but "
+        "spotring/job.py:12: spotring.job imports spotring.trainer.config, but "
         f"spotring does not stand above spotring.trainer ({SHOWN})",
         "sweep/report.py:30: spotring.sweep.report imports spotring.benchmarks.plots, but "
         f"spotring.sweep does not stand above spotring.benchmarks ({SHOWN})"]
@@ -150,7 +150,7 @@ def test_an_import_by_name_counts():
         "spotring.sweep.runner"]
 
 
-CHECKPOINT_LAYOUT = "spotring.checkpoint"
+CHECKPOINT_LAYOUT = "spotring.checkpoint.layout"
 
 
 def _strings_in_code(tree: ast.AST) -> Iterator[ast.Constant]:
@@ -167,11 +167,11 @@ def _strings_in_code(tree: ast.AST) -> Iterator[ast.Constant]:
 
 
 def test_only_the_checkpoint_module_spells_the_checkpoint_layout():
-    """Whoever reads checkpoints outside spotring.checkpoint asks it for their names
+    """Whoever reads checkpoints outside spotring.checkpoint.layout asks it for their names
     (manifests, files_of, folder_name, newest_valid) instead of typing them again."""
     retyped = [f"{path.relative_to(REPO)}:{node.lineno}: {node.value!r}"
                for name, path in modules().items() if name != CHECKPOINT_LAYOUT
                for node in _strings_in_code(ast.parse(path.read_text()))
                if "ckpt-" in node.value]
-    assert not retyped, "the checkpoint layout typed outside spotring.checkpoint:\n" + \
+    assert not retyped, "the checkpoint layout typed outside spotring.checkpoint.layout:\n" + \
         "\n".join(retyped)

@@ -34,8 +34,8 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from spotring import DDPOptions, HorovodOptions, Job, engines, init, runtime
-from spotring.checkpoint import Checkpoint, Checkpoints
-from spotring.checkpointer import load_whole
+from spotring.checkpoint.layout import Checkpoint, Checkpoints
+from spotring.checkpoint.parts import load_whole
 from spotring.cli import main
 from spotring.exits import ConfigError
 from spotring.trainer import datasets

@@ -28,7 +28,7 @@ import uuid
 
 import pytest
 
-from spotring.checkpoint import Checkpoints, files_of, folder_name, manifest_name, manifests
+from spotring.checkpoint.layout import Checkpoints, files_of, folder_name, manifest_name, manifests
 from spotring.exits import EXIT_PEER_LOST, EXIT_PREEMPTED
 from tests import ranks, workloads
 from tests.conftest import assert_close

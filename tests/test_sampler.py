@@ -154,7 +154,7 @@ def test_a_position_of_another_seed_or_global_batch_is_refused():
     loader = DataLoader(DATA, G, seed=SEED, rank=0, world_size=1)
     with pytest.raises(ConfigError, match="saved with seed 8, this run has seed 7"):
         loader.load_state_dict({"epoch": 1, "offset": 48, "seed": 8, "global_batch": G})
-    with pytest.raises(ConfigError, match="global_batch 48, this run has global_batch 24"):
+    with pytest.raises(ConfigError, match="global batch of 48 samples, and this run has 24"):
         loader.load_state_dict({"epoch": 1, "offset": 48, "seed": SEED, "global_batch": 48})
     assert loader.state_dict()["offset"] == 0
 

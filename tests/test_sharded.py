@@ -20,8 +20,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import spotring
-from spotring import runtime, sharded
-from spotring.checkpoint import (
+from spotring import runtime
+from spotring.checkpoint import parts
+from spotring.checkpoint.layout import (
     Checkpoints,
     manifest_name,
 )
@@ -108,7 +109,7 @@ def test_a_checkpoint_slower_than_the_notice_is_told_once_with_what_would_fit(
     assert "from the busiest of 1 ranks" in told[0] and "workers would write" in told[0]
 
 
-class Replicas(sharded.Comm):
+class Replicas(parts.Comm):
     """``world_size`` ranks that hold the same state (DDP's replicas), planned in this one
     process: every rank's plan is this rank's."""
 
@@ -125,12 +126,12 @@ def test_a_background_save_copies_only_the_pieces_its_rank_writes():
              "optimizer": get_optimizer_state_dict(model, optimizer)}
     total = sum(t.numel() * t.element_size() for t in state["model"].values()) * 3
     for world in (2, 3):
-        shares = [sharded.Stager(pinned=False).stage(state, Replicas(rank=r, world_size=world))
+        shares = [parts.Stager(pinned=False).stage(state, Replicas(rank=r, world_size=world))
                   for r in range(world)]
         pieces = [set(share.copies) for share in shares]
         # Every piece is copied by exactly one rank, ...
         assert sum(map(len, pieces)) == len(set().union(*pieces))
-        assert set().union(*pieces) == set(sharded.Stager(False).stage(state, sharded.ALONE)
+        assert set().union(*pieces) == set(parts.Stager(False).stage(state, parts.ALONE)
                                            .copies)
         # ... and no rank copies much more than its share (within one block's tensors).
         copied = [sum(c.numel() * c.element_size() for c in s.copies.values()
@@ -140,13 +141,13 @@ def test_a_background_save_copies_only_the_pieces_its_rank_writes():
 
 def test_a_staged_copy_is_the_state_of_its_step_and_the_next_one_reuses_its_memory():
     model = nn.Linear(16, 16)
-    stager = sharded.Stager(pinned=False)
-    first = stager.stage({"model": get_model_state_dict(model)}, sharded.ALONE)
+    stager = parts.Stager(pinned=False)
+    first = stager.stage({"model": get_model_state_dict(model)}, parts.ALONE)
     (weight,) = [c for i, c in first.copies.items() if i.fqn == "model.weight"]
     then = weight.clone()
     with torch.no_grad():
         model.weight.add_(1.0)  # training goes on
     assert torch.equal(weight, then)
-    second = stager.stage({"model": get_model_state_dict(model)}, sharded.ALONE)
+    second = stager.stage({"model": get_model_state_dict(model)}, parts.ALONE)
     (again,) = [c for i, c in second.copies.items() if i.fqn == "model.weight"]
     assert again.data_ptr() == weight.data_ptr() and torch.equal(again, then + 1.0)

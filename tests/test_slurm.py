@@ -27,7 +27,7 @@ from typing import TypeVar
 import pytest
 import torch
 
-from spotring.checkpoint import Checkpoints, folder_name, manifest_name
+from spotring.checkpoint.layout import Checkpoints, folder_name, manifest_name
 from spotring.contract import RUN_DIR
 from spotring.exits import EXIT_CONFIG
 from spotring.launch import slurm as sbatch

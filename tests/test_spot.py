@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import spotring
-from spotring.checkpoint import (
+from spotring.checkpoint.layout import (
     EXTRAS,
     Checkpoint,
     CheckpointNotSaved,
@@ -32,12 +32,12 @@ from spotring.checkpoint import (
     manifests,
     newest_valid,
 )
-from spotring.checkpointer import load_whole, publish
+from spotring.checkpoint.manager import publish
+from spotring.checkpoint.parts import METADATA, load_whole
 from spotring.exits import EXIT_CONFIG, EXIT_PREEMPTED
 from spotring.launch.commands import local_command, local_environment
 from spotring.options import PreemptionOptions
 from spotring.preemption import NOTICE_SECONDS
-from spotring.sharded import METADATA
 from spotring.stores import PART_BYTES
 from tests.conftest import QUICK, REPO, Run, assert_close, run_trainer
 from tests.imds import MetadataStub

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from optuna.trial import TrialState
 
-from spotring.checkpoint import manifests
+from spotring.checkpoint.layout import manifests
 from spotring.contract import CHECKPOINT_URI, RESTART, RUN_DIR, RUN_ID
 from spotring.exits import EXIT_CONFIG
 from spotring.launch.commands import local_environment

@@ -13,7 +13,7 @@ import boto3
 import pytest
 
 from spotring import contract
-from spotring.checkpoint import Checkpoints, manifest_name, newest_valid
+from spotring.checkpoint.layout import Checkpoints, manifest_name, newest_valid
 from spotring.launch.commands import local_command, local_environment
 
 # A few steps on a small synthetic dataset: what is looked at is where the files go.

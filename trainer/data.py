@@ -139,7 +139,7 @@ class LoaderBatches:
                                  batch_size=global_batch // (world_size * accumulation),
                                  seed=seed, rank=rank, world_size=world_size,
                                  num_workers=workers, pin_memory=device.type == "cuda",
-                                 order=getattr(dataset.train, "epoch_order", None))
+                                 order=getattr(dataset.train, "start_epoch", None))
 
     @property
     def steps_per_epoch(self) -> int:

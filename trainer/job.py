@@ -1,11 +1,13 @@
 """One training job, start to end, as every rank runs it.
 
     1. check the config, load the data, build the model   (no network yet: bad input,
-    2. rank 0: the newest checkpoint, which must match     a user's _target_ too, fails
-    3. spotring.init: the device, the engine checked,      here, on every rank, with
-       the process group joined (the API a user's          one clear paragraph)
-       script uses, with the config's option objects)
-    4. restore (each rank its part); train; evaluate
+    2. open the checkpoint stores; rank 0 checks the       a user's _target_ too, fails
+       uri's and finds the checkpoints to resume from,     here, on every rank, with
+       the newest of which must match                      one clear paragraph)
+    3. spotring.init with those stores: the device, the
+       engine checked, the process group joined (the API
+       a user's script uses, with the config's options)
+    4. restore from what rank 0 found (each rank its part); train; evaluate
     5. rank 0: summary.json and the closing lines
 
 The run reads the launch contract as any script does (spotring/contract.py): its run
@@ -20,6 +22,7 @@ lost, 75 preempted); spotring.init and the Job make them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +32,10 @@ from torch import nn
 
 import spotring
 from spotring import exits, runtime
-from spotring.checkpoint import find_resume
+from spotring.checkpoint.layout import Checkpoint, Checkpoints, find_resume
 from spotring.exits import EXIT_CONFIG, EXIT_OK, ConfigError
 from spotring.global_batch import split_global_batch
+from spotring.position import refuse_another_global_batch
 from spotring.trainer import datasets
 from spotring.trainer.config import global_batch
 from spotring.trainer.loop import Trainer, annotations
@@ -45,6 +49,7 @@ def run(cfg: DictConfig) -> int:
     launch = runtime.detect()
     try:
         dataset, model = _prepare(cfg, launch)
+        checkpoints, resume = _resume_from(cfg, launch)
     except ConfigError as e:
         report_bad_input(e, launch)
         return EXIT_CONFIG
@@ -52,10 +57,10 @@ def run(cfg: DictConfig) -> int:
     # and SIGUSR1 into a stop at a step boundary, and leaving the with block makes the
     # exit code (75, 65, 69).
     with spotring.init(engine=OmegaConf.to_object(cfg.engine), device=str(cfg.train.device),
-                       run_dir=_run_dir(), checkpoint=OmegaConf.to_object(cfg.checkpoint),
+                       run_dir=_run_dir(), checkpoint=checkpoints,
                        preemption=OmegaConf.to_object(cfg.preemption),
                        threads=cfg.train.threads, seed=cfg.train.seed) as job:
-        results = Trainer(cfg, job, dataset, model).fit(cfg.resume)
+        results = Trainer(cfg, job, dataset, model).fit(resume)
         summary = job.finish(**results, model=_model_option(cfg),
                              tensorboard=str(_run_dir() / "tensorboard"),
                              metrics=str(_run_dir() / "metrics.jsonl"))
@@ -68,8 +73,7 @@ def _prepare(cfg: DictConfig, launch: runtime.Launch
              ) -> tuple[datasets.Dataset | datasets.MapDataset, nn.Module]:
     """Everything of the trainer's own that can fail on bad input, done before any
     process group exists: the data and the model too (a _target_ of the user's fails
-    here, with exit code 2), and the newest checkpoint to resume from, which must match
-    them (the job's restore then checks its parts, all ranks together)."""
+    here, with exit code 2)."""
     validate(cfg)
     runtime.set_threads(cfg.train.threads, launch.local_world_size)
     runtime.keep_freed_memory()
@@ -90,13 +94,28 @@ def _prepare(cfg: DictConfig, launch: runtime.Launch
             f"global batch {batch} (train.batch_size={cfg.train.batch_size} x "
             f"{launch.world_size} workers x train.accumulation={cfg.train.accumulation}) "
             f"is larger than the {len(dataset.train)} training samples of {dataset.name}")
-    if launch.rank == 0:  # rank 0 says which checkpoints a restore will try
-        checkpoints = OmegaConf.to_object(cfg.checkpoint).open(_run_dir())
-        if checkpoints.remote is not None:
-            checkpoints.remote.check_access()
-        if found := find_resume(cfg.resume, checkpoints):
-            found[0].check_matches(annotations(cfg))
     return dataset, model
+
+
+def _resume_from(cfg: DictConfig, launch: runtime.Launch
+                 ) -> tuple[Checkpoints, Sequence[Checkpoint] | Checkpoint | None]:
+    """The run's checkpoint stores, opened once for the whole job, and what its restore
+    starts from (rank 0's counts: job.restore's source). Rank 0 checks the uri's store and
+    finds the checkpoints resume= names, before any process group: the newest must match
+    the run (annotations, global batch) or the run stops with exit 2; the restore then
+    checks their parts, all ranks together, newest first."""
+    checkpoints = OmegaConf.to_object(cfg.checkpoint).open(_run_dir())
+    if launch.rank != 0:
+        return checkpoints, None
+    checkpoints.check_access()
+    found = find_resume(cfg.resume, checkpoints)
+    if found:
+        found[0].check_matches(annotations(cfg))
+        if "global_batch" in found[0].manifest:
+            refuse_another_global_batch(found[0].manifest["global_batch"],
+                                        global_batch(cfg, launch.world_size),
+                                        "train.global_batch")
+    return checkpoints, found if cfg.resume == "auto" else (found[0] if found else None)
 
 
 def _run_dir() -> Path:

@@ -38,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from spotring.exits import Diverged
 from spotring.job import Job
+from spotring.position import refuse_another_global_batch
 from spotring.telemetry import Telemetry, epoch_number
 from spotring.torch_compat import compiled_graphs
 from spotring.trainer.config import DType, global_batch
@@ -55,24 +56,25 @@ DIVERGED_HINT = "try a lower optim.lr (or more schedule.warmup_epochs)"
 
 @dataclass
 class Position:
-    """Where a run is; every checkpoint holds it (job.track) and a resume starts from it.
-    Its epoch, offset and global_batch make it the job's position in the data, as a
-    spotring.DataLoader is for a user's script."""
+    """Where a run is (a spotring.position.Position, as a spotring.DataLoader is for a
+    user's script); every checkpoint holds it (job.track) and a resume starts from it, on
+    any number of workers, refusing a checkpoint of another global batch as the library
+    does (train.global_batch keeps it)."""
 
     global_batch: int
     steps_per_epoch: int
     step: int = 0  # optimizer steps taken
     epoch: int = 0  # the epoch in progress (0-based)
     offset: int = 0  # samples of this epoch's order already consumed
-    trained_with: int | None = None  # the global batch of the checkpoint resumed from
 
     def state_dict(self) -> dict[str, int]:
         return {"step": self.step, "epoch": self.epoch, "offset": self.offset,
                 "global_batch": self.global_batch}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        refuse_another_global_batch(state["global_batch"], self.global_batch,
+                                    "train.global_batch")
         self.step, self.epoch, self.offset = state["step"], state["epoch"], state["offset"]
-        self.trained_with = state["global_batch"]
 
 
 def annotations(cfg: DictConfig) -> dict[str, Any]:
@@ -174,6 +176,7 @@ class Trainer:
         self.raw_model = model
         self.position = Position(self.global_batch, self.batches.steps_per_epoch)
         job.track(model=model, optimizer=optimizer, position=self.position)
+        job.count_reads(dataset.train, dataset.test)  # where they count theirs: Shards
         job.annotate(**annotations(cfg))
         # NHWC weights unless the engine's collectives need them contiguous (the image
         # batches come NHWC from self.batches). With train.compile, the model is compiled
@@ -390,9 +393,3 @@ class Trainer:
         self.resumed_from = self.job.resumed_from
         log.info("resumed at step %d (epoch %d, sample %d of its order)",
                  pos.step, epoch_number(pos.epoch), pos.offset)
-        before = pos.trained_with
-        if before != self.global_batch:
-            log.warning("the checkpoint was trained with global batch %d, this run has %d: "
-                        "the steps now group other samples and the LR scales to the new batch; "
-                        "keep the global batch with train.global_batch to continue the same "
-                        "run", before, self.global_batch)

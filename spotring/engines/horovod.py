@@ -95,7 +95,7 @@ class HorovodEngine(Engine):
             self.backend = "mpi" if hvd.mpi_enabled() else "gloo"
         if self.world_size > 1:
             # Sharded checkpoints plan, verify and publish their parts over a
-            # torch.distributed process group (spotring/checkpointer.py): a Gloo one beside
+            # torch.distributed process group (spotring/checkpoint/manager.py): a Gloo one beside
             # Horovod's, found through engine=ddp's rendezvous, which knows horovodrun's
             # and mpirun's.
             from spotring.engines.process_group import rendezvous

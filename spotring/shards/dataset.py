@@ -6,13 +6,14 @@ number of workers and reads each rank's share in long runs.
     loader = job.loader(shards, global_batch=256, num_workers=4)
 
 ``len(shards)`` is the number of samples, ``shards[i]`` sample i (shard after shard, in
-name order) decoded by ``decode``, and ``shards.epoch_order`` the order spotring's
+name order) decoded by ``decode``, and ``shards.start_epoch`` gives the order spotring's
 DataLoader follows (spotring/shards/order.py): through it, each loader worker learns the
 epoch (a few integers in shared memory) and fetches, beside the blocks of the batch in
 hand, the block each of its streams reads next, in background threads, so that the
 store is waited for only at the start. Every read is counted (GET requests, bytes) per
-epoch, in shared memory that the loader workers add to; ``reads()`` gives the counts and
-job.finish puts every rank's in summary.json (``gather_reads``).
+epoch, in shared memory that the loader workers add to; ``reads()`` gives the counts, and
+job.finish puts every rank's in summary.json (``gather_reads``) for the datasets the job
+reads (spotring.Job.count_reads: a loader's, made by job.loader or tracked, count).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import os
 import re
 import threading
 import time
-import weakref
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -49,7 +49,6 @@ RETRIES = 3  # tries of a block's read, the first included
 FETCH_THREADS = 8  # downloads at once, per process
 OPEN_BLOCKS = 256  # block files a process keeps open
 _ROWS = 128  # read counters: the main process, then one row per loader worker
-_LIVE: list[weakref.ref[Shards]] = []  # this process's datasets, oldest first
 
 
 def cache_root() -> Path:
@@ -128,7 +127,6 @@ class Shards(torch.utils.data.Dataset):
         self._reads: dict[int | None, list[int]] = {}
         self._accounted = [0, 0]
         self._local: _Local | None = None
-        _LIVE.append(weakref.ref(self))
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__ | {"_local": None}
@@ -170,11 +168,11 @@ class Shards(torch.utils.data.Dataset):
             items.append(sample if self.decode is None else self.decode(sample))
         return items
 
-    def epoch_order(self, seed: int, epoch: int, global_batch: int) -> torch.Tensor:
-        """The order of ``epoch`` for ``seed`` and a global batch of ``global_batch``
-        samples (spotring.sampler.Order; order.py): what spotring's DataLoader follows.
-        Called in the loader's process as an epoch's iteration begins; from then on its
-        reads count for ``epoch`` and the loader workers prefetch for it."""
+    def start_epoch(self, seed: int, epoch: int, global_batch: int) -> torch.Tensor:
+        """Begin ``epoch``: from now on this process's reads count for it and the loader
+        workers prefetch for it. Returns its order for ``seed`` and a global batch of
+        ``global_batch`` samples (spotring.sampler.Order; order.py), which spotring's
+        DataLoader follows: it calls this as each epoch's iteration begins."""
         self._account()
         self._epoch = epoch
         self._reads.setdefault(epoch, [0, 0])
@@ -400,12 +398,13 @@ def decode_image(data: bytes) -> torch.Tensor:
     return tensor.unsqueeze(0) if tensor.dim() == 2 else tensor.permute(2, 0, 1)
 
 
-def gather_reads(job: Any) -> dict[str, Any]:
-    """The block reads of every Shards of each rank of ``job`` (a spotring.Job), for its
-    summary: {"data_reads": [{"dataset", "epoch" (None: outside an epoch's order, e.g.
-    evaluation), "rank", "gets", "bytes"}, ...]}, or {} where no rank made one. A
-    collective (two small all-reduces) where any Shards lives: every rank calls it."""
-    datasets = [d for d in (ref() for ref in _LIVE) if d is not None]
+def gather_reads(job: Any, datasets: Sequence[Any]) -> dict[str, Any]:
+    """The reads of ``datasets`` (those that count theirs, as Shards does: ``reads()``,
+    ``uri``) on every rank of ``job`` (a spotring.Job), for its summary: {"data_reads":
+    [{"dataset", "epoch" (None: outside an epoch's order, e.g. evaluation), "rank",
+    "gets", "bytes"}, ...]}, or {} where no rank has any. A collective (two small
+    all-reduces) with several ranks: every rank calls it, with its own datasets (the same
+    ones on every rank, or nothing is lined up)."""
     if not datasets and job.world_size == 1:
         return {}  # with more ranks, all take part in the collectives: one may have some
     reads = [d.reads() for d in datasets]

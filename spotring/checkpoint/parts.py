@@ -12,13 +12,14 @@ holds alike (DDP, Horovod) by one rank only, the planner spreading them so that 
 rank writes about its share. Each rank writes one file, ``__RANK_0.distcp``, and the
 coordinator (rank 0) the ``.metadata`` that says where every piece of every tensor is. A
 reader of any world size and any engine asks the metadata for the pieces of its own
-tensors and reads only those: resharding on load.
+tensors and reads only those: resharding on load. ``load_whole`` reads a checkpoint
+whole, in one process.
 
 From a bucket store (S3, GCS, Azure Blob) the pieces are read as byte ranges of the parts
 (spotring.torch_compat.store_reader), so a rank downloads what it needs, not the
-checkpoint. This module
-knows nothing of manifests: spotring/checkpointer.py publishes the parts, and
-spotring/checkpoint.py lists and verifies them.
+checkpoint. What DCP does differently from one torch release to another, or that only its
+private parts allow, is spotring/torch_compat.py's. The manager (manager.py) publishes the
+parts this module writes; layout.py lists and verifies them.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
+from spotring.checkpoint.layout import EXTRAS, SINGLE_FILE, Checkpoint
 from spotring.stores import DirectoryStore, Store
 from spotring.torch_compat import PartWriter, store_reader
 
@@ -200,15 +202,33 @@ def failures(error: BaseException, rank: int) -> dict[int, BaseException]:
     return {rank: error}
 
 
-def load_whole(folder: Path) -> dict[str, Any]:
-    """The whole checkpoint in ``folder``, in this one process, as plain tensors: for
-    readers outside a job (a test, a tool)."""
+def load_whole(checkpoint: Checkpoint) -> dict[str, Any]:
+    """The whole of ``checkpoint``, in this one process, as plain tensors on the CPU:
+    {tracked name: state_dict, ..., "spotring": {step, rng, ...}}. For readers outside a
+    job (tests, tools) and a rank 0 that sends the others their parts; a job's ranks each
+    read their own part (``read``). Format 1 is one .pt; format 2 DCP's parts, read where
+    they lie (a directory) or fetched to a temporary folder first (a bucket store), and
+    rank 0's spotring.pt beside them."""
     import tempfile
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    store = checkpoint.store
+    if checkpoint.format == SINGLE_FILE:
+        data = store.read(next(iter(checkpoint.parts())))
+        # weights_only: a checkpoint holds tensors and containers, nothing to execute.
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "parts"
+        if isinstance(store, DirectoryStore):
+            folder = store.path / checkpoint.folder
+        else:
+            folder.mkdir()
+            for name in checkpoint.parts():
+                (folder / name.split("/", 1)[1]).write_bytes(store.read(name))
         whole = Path(tmp) / "whole.pt"
         with _alone_is_meant(ALONE):
             dcp_to_torch_save(folder, whole)
-        return torch.load(whole, map_location="cpu", weights_only=True)
+        loaded = torch.load(whole, map_location="cpu", weights_only=True)
+        loaded.update(torch.load(folder / EXTRAS, map_location="cpu", weights_only=True))
+    return loaded

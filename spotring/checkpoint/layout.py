@@ -1,13 +1,13 @@
 """What a checkpoint is, in any store: its folder of parts and its manifest, their
 names, their format, and finding the newest one whose parts are whole. Torch-free: the
-launchers, sweeps and benchmarks read it; saving and restoring is spotring/checkpointer.py.
+launchers, sweeps and benchmarks read it; saving and restoring is spotring/checkpoint/manager.py.
 
 A checkpoint is a folder of parts and a manifest, in the checkpoint directory and (with
 checkpoint.uri) in a store every host reaches (spotring/stores/: S3, GCS, Azure Blob, a
 shared mount):
 
     ckpt-000001200/            its parts: each rank's __RANK_0.distcp and DCP's .metadata
-                               (spotring/sharded.py), and spotring.pt (rank 0: the data
+                               (spotring/checkpoint/parts.py), and spotring.pt (rank 0: the data
                                position, every rank's RNG state, the gradient scaler)
     ckpt-000001200.json        its manifest: the format number, the size and sha256 of
                                every part, step, epoch, world size, global batch and the
@@ -34,6 +34,7 @@ resume from an older checkpoint.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import re
@@ -207,7 +208,7 @@ def manifest_bytes(parts: dict[str, dict[str, Any]], meta: dict[str, Any]) -> by
 
 @dataclass
 class Saved:
-    """A checkpoint as it was published (spotring/checkpointer.py): every part written,
+    """A checkpoint as it was published (spotring/checkpoint/manager.py): every part written,
     read back and stored by the rank that wrote it, the manifest last.
 
     location: the checkpoint's folder in the checkpoint directory (or in the uri's store,
@@ -242,21 +243,40 @@ class Saved:
 class Checkpoints:
     """The checkpoints of a run: each host's checkpoint directory, and the store a uri
     names (spotring.stores.open_store: S3, GCS, Azure Blob, a shared mount), which every
-    rank of every host reaches, where one is given."""
+    rank of every host reaches, where one is given; opened, not yet asked anything.
 
-    def __init__(self, directory: str | Path, keep: int, uri: str | None = None) -> None:
+    keep: checkpoints kept in each store. background, sharded: how a job saves them
+    (spotring.CheckpointOptions, whose ``open`` makes one)."""
+
+    def __init__(self, directory: str | Path, keep: int, uri: str | None = None, *,
+                 background: bool = True, sharded: bool | None = None) -> None:
         self.local = DirectoryStore(directory)
         self.remote = open_store(uri) if uri else None
-        self.stores: list[Store] = [self.local] + ([self.remote] if self.remote else [])
-        self.keep = keep
+        self.keep, self.background, self.sharded = keep, background, sharded
+        self._checked = False
+
+    @property
+    def stores(self) -> list[Store]:
+        """The directory, then the uri's store where there is one."""
+        return [self.local] + ([self.remote] if self.remote else [])
 
     @property
     def where(self) -> str:
         return " and ".join(store.where for store in self.stores)
 
-    def use_directory(self, directory: str | Path) -> None:
-        """Keep the local copies in ``directory`` from now on."""
-        self.local = self.stores[0] = DirectoryStore(directory)
+    def check_access(self) -> None:
+        """Ask the uri's store, once, whether it is in reach with these credentials:
+        ConfigError (exit 2) naming it where not."""
+        if self.remote is not None and not self._checked:
+            self.remote.check_access()
+            self._checked = True
+
+    def in_directory(self, directory: str | Path) -> Checkpoints:
+        """The same stores with the local copies in ``directory`` (rank 0's, which every
+        rank of a job takes: the others' defaults may name a folder of their own)."""
+        moved = copy.copy(self)
+        moved.local = DirectoryStore(directory)
+        return moved
 
     def manifests(self) -> list[tuple[str, Store]]:
         """(manifest name, store), newest (highest step) first; the directory's first."""

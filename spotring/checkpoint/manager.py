@@ -3,15 +3,16 @@ restore them on any world size, under any engine, in any store.
 
     checkpointer = Checkpointer(checkpoints, engine, seed)
     checkpointer.tracked.update(model=model, optimizer=optimizer, loader=loader)
-    checkpointer.annotations.update(model="resnet20")  # every manifest carries it
-    checkpointer.save(scaler, background=True)         # every rank calls it, and writes
-    checkpointer.restore("auto", scaler)               # every rank reads what it needs
+    checkpointer.annotations.update(model="resnet20")     # every manifest carries it
+    checkpointer.save(step, position, scaler, background=True)   # every rank writes
+    restored = checkpointer.restore("auto", scaler)       # every rank reads what it needs
 
-spotring.Job holds one (``job.save``, ``job.restore``). What a checkpoint is in a store
-(names, manifest, format, verification) is spotring/checkpoint.py; DCP's part of the
-writing and reading, spotring/sharded.py; the stores, spotring/stores/.
+spotring.Job holds one (``job.save``, ``job.restore``). This package's other modules are
+what it stands on, and neither calls back into it: layout.py, what a checkpoint is in a
+store (names, manifest, verification; torch-free, the launchers read it), and parts.py,
+the adapter to torch.distributed.checkpoint (DCP) that writes and reads each rank's part.
 
-A save, top to bottom (``Checkpointer.save``, then ``publish``):
+A save, top to bottom (``save``, then ``_publish``):
 
  1. wait for the save in flight (at most one); refuse weights that are not finite
     (Diverged: never a checkpoint to resume a diverged run from)
@@ -22,30 +23,32 @@ A save, top to bottom (``Checkpointer.save``, then ``publish``):
  3. who writes: every rank its part where every rank can read every part back (the
     ranks share one host, or a checkpoint.uri names a store all reach); else rank 0
     gathers the whole state and writes it alone
- 4. in the background: copy this rank's share to CPU memory (sharded.Stager) and publish
-    on a thread while training goes on; else publish now. Then ``publish``:
- 5. every rank writes its part into the checkpoint directory (sharded.write), rank 0
+ 4. in the background: copy this rank's share to CPU memory (parts.Stager) and publish
+    on a thread while training goes on; else publish now. ``_publish``:
+ 5. every rank writes its part into the checkpoint directory (parts.write), rank 0
     spotring.pt
  6. each reads its files back (size and sha256) and uploads them to the uri's store,
-    checking the size stored
+    checking the size stored (``_stored``)
  7. the ranks gather their reports: a failure on any rank is raised on every rank,
     naming the rank and the object, and the checkpoints before are all kept
- 8. rank 0 writes the manifest, last, to every store that holds every part, reads it
-    back, and drops what is beyond checkpoint.keep there; each host from its directory
+ 8. rank 0 writes the manifest (layout.manifest_bytes), last, to every store that holds
+    every part, reads it back, and drops what is beyond checkpoint.keep there
+    (layout.Checkpoints.drop_old); each host from its directory
 
-A restore, top to bottom (``Checkpointer.restore``):
+A restore, top to bottom (``restore``):
 
- 1. rank 0 finds the candidates (resume=auto: every store's, newest first; or the one
-    named) and sends them to the others
+ 1. rank 0 finds the candidates (layout.find_resume: resume=auto, every store's, newest
+    first; or the one named; or those the caller found) and sends them to the others
  2. each candidate in turn: every rank checks its share of the parts against the
-    manifest; one with a part missing, short or corrupt is reported, naming the part,
-    and skipped (or refused, where it was named)
+    manifest (layout.Checkpoint.problems); one with a part missing, short or corrupt is
+    reported, naming the part, and skipped (or refused, where it was named)
  3. its manifest's annotations must be the job's (ConfigError otherwise)
  4. every rank reads the pieces its own tensors hold, from any world size that wrote
-    them (DCP's reader, by ranged reads from a bucket store); or, where the ranks do
-    not share the directory that holds it, rank 0 reads it whole and sends each its part
- 5. the other tracked objects, the RNG states (fresh ones on another world size), the
-    scaler, and the step
+    them (parts.read: DCP's reader, by ranged reads from a bucket store); or, where the
+    ranks do not share the directory that holds it, rank 0 reads it whole
+    (parts.load_whole) and sends each its part
+ 5. the other tracked objects (a position continues there), the RNG states (fresh ones
+    on another world size) and the scaler; the step is returned
 """
 
 from __future__ import annotations
@@ -56,8 +59,7 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -72,8 +74,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from spotring import runtime, sharded
-from spotring.checkpoint import (
+from spotring import runtime
+from spotring.checkpoint import parts
+from spotring.checkpoint.layout import (
     EXTRAS,
     SINGLE_FILE,
     Checkpoint,
@@ -86,23 +89,23 @@ from spotring.checkpoint import (
 )
 from spotring.engines import Engine
 from spotring.exits import ConfigError, Diverged
+from spotring.position import Position
 from spotring.stores import DirectoryStore
 
 log = logging.getLogger("spotring")
 
-# What a tracked object has that makes it the job's position in the data.
-_POSITION = ("epoch", "offset", "global_batch", "steps_per_epoch")
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 class Checkpointer:
-    """The tracked objects of a job, its annotations, and where it stands: the step of
-    the newest checkpoint begun (``saved_step``), the newest published (``saved``) and
-    the one resumed from.
+    """The tracked objects of a job, its annotations, and its checkpoints: the step of
+    the newest begun (``saved_step``), the newest published (``saved``) and the one
+    resumed from (``resumed_from``).
 
-    sharded: CheckpointOptions.sharded (None: where every rank reads every part back).
-    notice_seconds: how long the cloud's notice gives (read after each save, to warn
-    once where a checkpoint would not fit in it)."""
+    checkpoints: the job's stores, opened (layout.Checkpoints; its directory the same on
+    every rank). background, sharded: CheckpointOptions'. notice_seconds: how long the
+    cloud's notice gives (read after each save, to warn once where a checkpoint would not
+    fit in it)."""
 
     def __init__(self, checkpoints: Checkpoints, engine: Engine, seed: int,
                  sharded: bool | None = None,
@@ -112,46 +115,26 @@ class Checkpointer:
         self.notice_seconds = notice_seconds
         self.tracked: dict[str, Any] = {}
         self.annotations: dict[str, Any] = {}
-        self.steps = 0  # optimizer steps (step_taken), where no position is tracked
-        self.start_step = 0  # the step this process started from (resumed, or 0)
         self.saved: Saved | None = None  # the newest checkpoint published (rank 0's view)
         self.saved_step: int | None = None  # the step of the newest checkpoint begun
         self.resumed_from: str | None = None  # the checkpoint restore() loaded
-        self._comm: sharded.Comm | None = None
+        self._comm: parts.Comm | None = None
         self._shared = True  # every rank on one host
-        self._stager: sharded.Stager | None = None
+        self._stager: parts.Stager | None = None
         self._pending: threading.Thread | None = None
         self._failed: BaseException | None = None  # the background save's
         self._warned = False
 
-    def position(self) -> Any:
-        """The tracked object that knows where in the data the run stands: a
-        spotring.DataLoader, or another with the same position (epoch, offset,
-        global_batch, steps_per_epoch), as the trainer's in-memory batches; or None."""
-        return next((o for o in self.tracked.values()
-                     if all(hasattr(o, a) for a in _POSITION)), None)
-
-    @property
-    def step_count(self) -> int:
-        """Optimizer steps taken: from the tracked position (the same on every world
-        size), else ``steps``."""
-        position = self.position()
-        if position is None:
-            return self.steps
-        if hasattr(position, "step"):  # a position that counts its steps itself
-            return position.step
-        return position.epoch * position.steps_per_epoch \
-            + position.offset // position.global_batch
-
     # ------------------------------------------------------------------------------ save
 
-    def save(self, scaler: torch.amp.GradScaler, background: bool = False) -> Saved | None:
-        """Checkpoint the tracked state (a collective). Blocking: returns once it is
-        published (what was written, on every rank); background: once this rank's share
-        is copied to CPU memory (None; ``saved`` follows when done). Raises Diverged where
-        a tracked model's weights are not finite on any rank."""
+    def save(self, step: int, position: Position | None, scaler: torch.amp.GradScaler,
+             background: bool = False) -> Saved | None:
+        """Checkpoint the tracked state as step ``step`` (a collective), the manifest
+        giving ``position``'s epoch, offset and global batch where there is one. Blocking:
+        returns once it is published (what was written, on every rank); background: once
+        this rank's share is copied to CPU memory (None; ``saved`` follows when done).
+        Raises Diverged where a tracked model's weights are not finite on any rank."""
         self.wait()
-        step = self.step_count
         self._check_finite(step)
         comm = self._collectives()
         rngs = self.engine.all_gather_object(runtime.rng_state())
@@ -160,7 +143,7 @@ class Checkpointer:
         extras["spotring"] = {"step": step, "rng": rngs, "world_size": self.engine.world_size,
                               "scaler": scaler.state_dict()}
         meta = {"step": step, "world_size": self.engine.world_size, **self.annotations}
-        if (position := self.position()) is not None:
+        if position is not None:
             meta |= {"epoch": position.epoch, "offset": position.offset,
                      "global_batch": position.global_batch}
         whole = not self.sharded if self.sharded is not None else not (
@@ -168,12 +151,12 @@ class Checkpointer:
         state = self._tensor_state(_FULL if whole else None)
         self.saved_step = step
         if whole:  # rank 0 alone writes, the others are done
-            comm = sharded.ALONE
+            comm = parts.ALONE
             if self.engine.rank != 0:
                 return None
         if background:
             if self._stager is None:
-                self._stager = sharded.Stager(pinned=self.engine.device.type == "cuda")
+                self._stager = parts.Stager(pinned=self.engine.device.type == "cuda")
             state = self._stager.stage(state, comm)
             self._pending = threading.Thread(
                 target=self._publish_in_background, args=(state, meta, extras, comm),
@@ -184,8 +167,8 @@ class Checkpointer:
         self._report(saved)
         return saved
 
-    def _publish(self, state: dict[str, Any] | sharded.Staged, meta: dict[str, Any],
-                 extras: dict[str, Any], comm: sharded.Comm) -> Saved:
+    def _publish(self, state: dict[str, Any] | parts.Staged, meta: dict[str, Any],
+                 extras: dict[str, Any], comm: parts.Comm) -> Saved:
         saved = publish(self.checkpoints, state, meta, extras, comm,
                         cleans=self.engine.local_rank == 0)
         self.saved = saved
@@ -207,11 +190,9 @@ class Checkpointer:
             self._failed = e
 
     def step_taken(self) -> None:
-        """Once per optimizer step, on the training thread: count it (``steps``), and
-        where the background save in flight is published by now, say so (``wait``, which
-        returns at once). A failed one is left for the next ``wait`` to raise: at the next
-        save, or at the end."""
-        self.steps += 1
+        """Once per optimizer step, on the training thread: where the background save in
+        flight is published by now, say so (``wait``, which returns at once). A failed one
+        is left for the next ``wait`` to raise: at the next save, or at the end."""
         if self._pending is not None and not self._pending.is_alive() and self._failed is None:
             self.wait()
 
@@ -269,24 +250,28 @@ class Checkpointer:
 
     # --------------------------------------------------------------------------- restore
 
-    def restore(self, source: str | Checkpoint | None,
+    def restore(self, source: str | Checkpoint | Sequence[Checkpoint] | None,
                 scaler: torch.amp.GradScaler) -> int | None:
         """Load a checkpoint into the tracked objects (a collective); its step, or None
-        where there is none. ``source``: spotring.Job.restore's (rank 0's counts). With
-        "auto" the candidates are tried newest first; one with a part missing, short or
-        corrupt (each rank checks its share of the parts) is reported and skipped. A
-        checkpoint named (a path, a Checkpoint) with such a part is refused, ConfigError."""
+        where there is none. ``source``: spotring.Job.restore's (rank 0's counts). The
+        candidates of "auto" (or a list already found) are tried newest first; one with a
+        part missing, short or corrupt (each rank checks its share of the parts) is
+        reported and skipped. A checkpoint named (a path, a Checkpoint) with such a part
+        is refused, ConfigError."""
         self.wait()
         comm = self._collectives()
+        named = isinstance(source, Checkpoint) or source not in ("auto", None) \
+            and isinstance(source, str)
         candidates = None
         if self.engine.rank == 0:  # a store pickles as its location
             candidates = (find_resume(source, self.checkpoints) if isinstance(source, str)
-                          else [] if source is None else [source])
+                          else [] if source is None
+                          else [source] if isinstance(source, Checkpoint) else list(source))
         for checkpoint in comm.broadcast(candidates):
             whole = checkpoint.format == SINGLE_FILE or (
                 isinstance(checkpoint.store, DirectoryStore) and not self._shared)
             if problems := self._problems(checkpoint, comm, whole):
-                if source != "auto":  # the checkpoint asked for by name: none other
+                if named:  # the checkpoint asked for by name: none other
                     raise ConfigError(f"resume={checkpoint.location}: "
                                       + "; ".join(problems))
                 if self.engine.rank == 0:
@@ -297,7 +282,7 @@ class Checkpointer:
             return self._resumed(checkpoint, extras, scaler)
         return None
 
-    def _problems(self, checkpoint: Checkpoint, comm: sharded.Comm, whole: bool) -> list[str]:
+    def _problems(self, checkpoint: Checkpoint, comm: parts.Comm, whole: bool) -> list[str]:
         """What the ranks found wrong with ``checkpoint``: rank 0 alone checks every part
         where it alone reads them (``whole``), else each rank its share."""
         if whole:
@@ -306,15 +291,15 @@ class Checkpointer:
         share = sorted(checkpoint.parts())[comm.rank::comm.world_size]
         return sorted({p for found in comm.all_gather(checkpoint.problems(share)) for p in found})
 
-    def _load(self, checkpoint: Checkpoint, comm: sharded.Comm, whole: bool) -> dict[str, Any]:
+    def _load(self, checkpoint: Checkpoint, comm: parts.Comm, whole: bool) -> dict[str, Any]:
         """The tensors into the tracked models and optimizers; returns the rest."""
         if not whole:
             state = self._tensor_state()
-            sharded.read(state, checkpoint.store, checkpoint.folder, comm)
+            parts.read(state, checkpoint.store, checkpoint.folder, comm)
             self._apply(state, None)
             extras = checkpoint.store.read(f"{checkpoint.folder}/{EXTRAS}")
             return torch.load(io.BytesIO(extras), map_location="cpu", weights_only=True)
-        loaded = load_whole(checkpoint) if comm.rank == 0 else {}
+        loaded = parts.load_whole(checkpoint) if comm.rank == 0 else {}
         if comm.rank == 0 and checkpoint.format == SINGLE_FILE:
             loaded = self._named_optimizer_states(loaded)
         full = StateDictOptions(full_state_dict=True, broadcast_from_rank0=not comm.alone)
@@ -340,8 +325,7 @@ class Checkpointer:
             runtime.set_rng_state(meta["rng"][rank])
         else:  # another world size: fresh, reproducible per-rank streams
             runtime.seed_all(hash((self.seed, rank, meta["step"])))
-        self.steps = self.start_step = self.saved_step = meta["step"]
-        self.resumed_from = checkpoint.location
+        self.saved_step, self.resumed_from = meta["step"], checkpoint.location
         log.info("resumed from %s at step %d (%d workers then, %d now)", checkpoint.location,
                  meta["step"], meta["world_size"], world_size)
         return meta["step"]
@@ -403,24 +387,20 @@ class Checkpointer:
 
     # --------------------------------------------------------------------- collectives
 
-    def _collectives(self) -> sharded.Comm:
+    def _collectives(self) -> parts.Comm:
         """The checkpoint's own Gloo process group (a background save's collectives run
         beside training's), made on the first save or restore; and whether the ranks
         share one host."""
         if self._comm is None:
             if self.engine.world_size == 1:
-                self._comm = sharded.ALONE
+                self._comm = parts.ALONE
             else:
                 if not dist.is_initialized():
                     raise RuntimeError(f"engine {self.engine.name} joined no torch.distributed "
                                        "process group, which sharded checkpoints need")
                 group = dist.new_group(backend="gloo")
-                self._comm = sharded.Comm(group, self.engine.rank, self.engine.world_size)
+                self._comm = parts.Comm(group, self.engine.rank, self.engine.world_size)
                 self._shared = len(set(self._comm.all_gather(socket.gethostname()))) == 1
-                # Rank 0's checkpoint directory is the run's, whatever the others'
-                # defaults made of theirs (a run directory stamped with their own start).
-                self.checkpoints.use_directory(self._comm.broadcast(
-                    str(self.checkpoints.local.path)))
         return self._comm
 
 
@@ -428,11 +408,11 @@ class Checkpointer:
 
 
 def publish(checkpoints: Checkpoints, state: Any, meta: dict[str, Any],
-            extras: dict[str, Any] | None = None, comm: sharded.Comm = sharded.ALONE,
+            extras: dict[str, Any] | None = None, comm: parts.Comm = parts.ALONE,
             cleans: bool = True) -> Saved:
     """Write the checkpoint of step ``meta['step']`` to ``checkpoints``' stores (a
     collective over ``comm``; ALONE: this process alone): every rank its part of
-    ``state`` (DCP: tensors, sharded or alike on every rank; or a sharded.Staged copy of
+    ``state`` (DCP: tensors, sharded or alike on every rank; or a parts.Staged copy of
     this rank's share) into its checkpoint directory, rank 0 ``extras`` (torch.save:
     positions, RNG states) beside them; each rank reads its files back and uploads them
     to the uri's store; rank 0 then writes the manifest to every store that holds every
@@ -445,17 +425,17 @@ def publish(checkpoints: Checkpoints, state: Any, meta: dict[str, Any],
     folder = folder_name(meta["step"])
     report: dict[str, Any] = {"rank": comm.rank}
     try:
-        files = sharded.write(state, checkpoints.local.path / folder, comm)
+        files = parts.write(state, checkpoints.local.path / folder, comm)
         if comm.rank == 0:
             checkpoints.local.write(f"{folder}/{EXTRAS}", _bytes_of(extras or {}))
             files.append(EXTRAS)
         report |= _stored(checkpoints, folder, files, started)
-    except (Exception, sharded.CheckpointException) as e:
+    except (Exception, parts.CheckpointException) as e:
         # Every rank must hear of it, or the others wait forever. (DCP's own
         # CheckpointException, gathered from every rank, is a BaseException.)
         report["error"] = "; ".join(
             f"rank {rank}: {type(error).__name__}: {error}"
-            for rank, error in sharded.failures(e, comm.rank).items())
+            for rank, error in parts.failures(e, comm.rank).items())
     reports = comm.all_gather(report)
     if errors := [r["error"] for r in reports if "error" in r]:
         raise CheckpointNotSaved("; ".join(errors))
@@ -478,38 +458,38 @@ def _stored(checkpoints: Checkpoints, folder: str, files: list[str],
     """This rank's part of a save, after DCP wrote its files: each read back (size and
     sha256 from the disk), then uploaded and its stored size checked."""
     local, remote = checkpoints.local, checkpoints.remote
-    parts = {}
+    written = {}
     for name in files:
         path = f"{folder}/{name}"
-        parts[name] = {"bytes": local.size(path), "sha256": local.sha256(path)}
+        written[name] = {"bytes": local.size(path), "sha256": local.sha256(path)}
     times = {local.where: (time.time() - started, time.time())}
     if remote is not None:
-        for name, part in parts.items():
+        for name, part in written.items():
             path = f"{folder}/{name}"
             try:
                 remote.upload(path, local.path / path)
             except Exception as e:  # cut off, refused: name the object
                 raise CheckpointNotSaved(f"{remote.location(path)}: not uploaded "
                                          f"({type(e).__name__}: {e})") from e
-            if (stored := remote.size(path)) != part["bytes"]:
-                raise CheckpointNotSaved(f"{remote.location(path)}: {stored} bytes "
+            if (size := remote.size(path)) != part["bytes"]:
+                raise CheckpointNotSaved(f"{remote.location(path)}: {size} bytes "
                                          f"stored of the {part['bytes']} written")
         times[remote.where] = (time.time() - started, time.time())
-    return {"parts": parts, "times": times}
+    return {"parts": written, "times": times}
 
 
 def _manifest(checkpoints: Checkpoints, folder: str, meta: dict[str, Any],
               reports: list[dict[str, Any]]) -> Saved:
     """Rank 0: the manifest of every rank's parts, on each store that holds them all."""
-    parts = {name: part for r in reports for name, part in r["parts"].items()}
-    manifest = manifest_bytes(parts, meta)
+    written = {name: part for r in reports for name, part in r["parts"].items()}
+    manifest = manifest_bytes(written, meta)
     rank_bytes = max(sum(p["bytes"] for p in r["parts"].values()) for r in reports)
-    total = sum(p["bytes"] for p in parts.values())
+    total = sum(p["bytes"] for p in written.values())
     location, seconds, done_at = None, {}, {}
     here = set(checkpoints.local.names())
     for store in checkpoints.stores:
         local = store is checkpoints.local
-        if local and not all(f"{folder}/{name}" in here for name in parts):
+        if local and not all(f"{folder}/{name}" in here for name in written):
             continue  # the ranks write on several disks: the uri's store holds it whole
         name = folder + ".json"
         store.write(name, manifest)
@@ -525,27 +505,7 @@ def _manifest(checkpoints: Checkpoints, folder: str, meta: dict[str, Any],
         raise CheckpointNotSaved(
             f"{checkpoints.local.location(folder)}: the ranks wrote their parts on disks of "
             "their own and no checkpoint.uri holds them all")
-    return Saved(location, total, rank_bytes, len(parts), seconds, done_at)
-
-
-def load_whole(checkpoint: Checkpoint) -> dict[str, Any]:
-    """The whole checkpoint, in this one process, as plain tensors: {tracked name:
-    state_dict, ..., "spotring": {step, rng, ...}}. For readers outside a job (tests,
-    tools) and a rank 0 that sends the others their parts; a job's ranks each read their
-    own part (Checkpointer.restore)."""
-    import tempfile
-
-    if checkpoint.format == SINGLE_FILE:
-        data = checkpoint.store.read(next(iter(checkpoint.parts())))
-        # weights_only: a checkpoint holds tensors and containers, nothing to execute.
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        for name in checkpoint.parts():
-            (folder / name.split("/", 1)[1]).write_bytes(checkpoint.store.read(name))
-        whole = sharded.load_whole(folder)
-        whole.update(torch.load(folder / EXTRAS, map_location="cpu", weights_only=True))
-    return whole
+    return Saved(location, total, rank_bytes, len(written), seconds, done_at)
 
 
 def _bytes_of(obj: Any) -> bytes:

@@ -1,6 +1,6 @@
 """The report's figures, one function per PNG (throughput, efficiency, allreduce,
 batch_sizes, prediction, time_to_accuracy), each drawn from a results.json section with
-the tables' 95% intervals as error bars, through spotring.plotting (headless, each PNG
+the tables' 95% intervals as error bars, through spotring.support.plotting (headless, each PNG
 written whole).
 """
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from spotring.benchmarks import predict
 from spotring.benchmarks.throughput import reference
-from spotring.plotting import plt, save
+from spotring.support.plotting import plt, save
 
 
 def throughput(section: dict, path: Path) -> None:

@@ -25,7 +25,7 @@ from spotring.exits import ConfigError
 from spotring.launch.contract import command_of, split_command
 from spotring.options import one_of
 from spotring.stores import uri_problem
-from spotring.trainer.compose import compose_checked
+from spotring.support.compose import compose_checked
 
 CLUSTERS = ("aws_spot", "local")
 LAUNCHERS = ("horovodrun", "mpirun", "torchrun", "none")

@@ -27,9 +27,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from spotring.contract import RUN_DIR
-from spotring.exits import with_note
 from spotring.launch.commands import LAUNCHER_ENV
 from spotring.launch.provider import Node
+from spotring.support.restarts import with_note
 
 TORCHRUN_PORT = 29400  # also MASTER_PORT under job.launcher=none
 HOROVOD_START_TIMEOUT_S = 120
@@ -50,7 +50,7 @@ class JobCommand:
         preemption (75) or a divergence (65) from a failure. horovodrun exits 1 whatever
         the ranks did and names the first failed rank's code in its last words; torchrun
         exits 1 too and names none reliably, but rank 0 leaves a note (``note``, one of
-        spotring.exits.NOTES: preempted.json or diverged.json)."""
+        spotring.support.restarts.NOTES: preempted.json or diverged.json)."""
         if self.launcher == "horovodrun" and returncode != 0 and note is None:
             codes = re.findall(r"^Exit code: (\d+)$", output, re.MULTILINE)
             return int(codes[-1]) if codes else returncode

@@ -41,15 +41,7 @@ import time
 from omegaconf import DictConfig
 
 from spotring.cli import check_command, pin_command
-from spotring.exits import (
-    EXIT_FAILED,
-    EXIT_OK,
-    MAX_PREEMPTIONS,
-    MAX_RESTARTS,
-    ConfigError,
-    Launcher,
-    Verdict,
-)
+from spotring.exits import EXIT_FAILED, EXIT_OK, ConfigError
 from spotring.launch import notice, tries
 from spotring.launch.provider import NoCapacity, Node, Provider
 from spotring.launch.run import run as run_job
@@ -58,6 +50,7 @@ from spotring.launch.rundir import RunDir
 from spotring.launch.ssh import RemoteError
 from spotring.launch.up import admit
 from spotring.polling import poll
+from spotring.support.restarts import MAX_PREEMPTIONS, MAX_RESTARTS, Launcher, Verdict
 
 log = logging.getLogger("launch")
 

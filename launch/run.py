@@ -29,11 +29,12 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from spotring import contract
-from spotring.exits import NOTES, ConfigError, Outcome, classify
+from spotring.exits import ConfigError
 from spotring.launch import job_command, node_env, project, sync, wheel
 from spotring.launch.provider import Node, Provider
 from spotring.launch.rundir import RunDir
 from spotring.launch.ssh import RemoteError, Ssh
+from spotring.support.restarts import NOTES, Outcome, classify
 
 log = logging.getLogger("launch")
 

@@ -77,23 +77,15 @@ from omegaconf import DictConfig
 
 from spotring import contract
 from spotring.cli import pin_command
-from spotring.exits import (
-    CODES,
-    EXIT_CONFIG,
-    EXIT_FAILED,
-    EXIT_PREEMPTED,
-    MAX_PREEMPTIONS,
-    MAX_RESTARTS,
-    ConfigError,
-    Launcher,
-)
+from spotring.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_PREEMPTED, ConfigError
 from spotring.launch import project
 from spotring.launch.commands import AS_ROOT, BIN, LAUNCHER_ENV
 from spotring.launch.console import split_dashes
 from spotring.launch.contract import command_of, split_command
 from spotring.options import one_of
 from spotring.stores import uri_problem
-from spotring.trainer.compose import compose_checked
+from spotring.support.compose import compose_checked
+from spotring.support.restarts import CODES, MAX_PREEMPTIONS, MAX_RESTARTS, Launcher
 
 # The warnings the trainer takes as a spot notice; --signal sends one to every task.
 SIGNALS = ("TERM", "USR1")

@@ -147,8 +147,8 @@ def init(*, engine: str | EngineOptions = "ddp", backend: str | None = None,
         if not isinstance(checkpoint, Checkpoints):
             checkpoint = (checkpoint or CheckpointOptions()).replaced(
                 "checkpoint", dir=checkpoint_dir, uri=checkpoint_uri, keep=keep)
-            problems = checkpoint.problems()
-        if problems := problems + notices.problems():
+            problems = checkpoint.problems("checkpoint.")
+        if problems := problems + notices.problems("preemption."):
             raise ConfigError("; ".join(problems))
         require_one_of("device", device, Device)
         torch_device = runtime.pick_device(device, launch.local_rank)

@@ -184,13 +184,15 @@ class CheckpointOptions(Options):
 
     def open(self, run_dir: str | os.PathLike) -> Checkpoints:
         """The checkpoint stores of a run writing in ``run_dir``, with the defaults above
-        applied; ConfigError for a uri of no store (spotring.stores.uri_problem). Makes no
-        request: Checkpoints.check_access does."""
+        applied; ConfigError for a uri of no store, the option's or the launcher's
+        variable's (spotring.stores.uri_problem, naming which). Makes no request:
+        Checkpoints.check_access does."""
         from spotring.checkpoint.layout import Checkpoints
 
-        return Checkpoints(self.dir or Path(run_dir) / "checkpoints", self.keep,
-                           self.uri or contract.checkpoint_uri(), background=self.background,
-                           sharded=self.sharded)
+        uri, key = ((self.uri, "checkpoint.uri") if self.uri
+                    else (contract.checkpoint_uri(), contract.CHECKPOINT_URI))
+        return Checkpoints(self.dir or Path(run_dir) / "checkpoints", self.keep, uri,
+                           background=self.background, sharded=self.sharded, key=key)
 
 
 @dataclass

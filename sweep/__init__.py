@@ -1,6 +1,6 @@
 """Sweeps: many trials at once, searched by Optuna (`spotring sweep`; __main__.py is the
 runbook, docs/sweeps.md the guide). A client of launch/ (each trial a job started with
-its commands) and of spotring.plotting (the report's plots); neither imports it
+its commands) and of spotring.support.plotting (the report's plots); neither imports it
 (docs/design.md, "Packages"). Each concern a module of its own:
 
     config.py   the schema (conf/sweeper.yaml, conf/sweep/), the search space in Hydra's

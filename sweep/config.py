@@ -48,7 +48,7 @@ from spotring.launch import project
 from spotring.launch.contract import command_of, split_command
 from spotring.options import choices, one_of
 from spotring.stores import uri_problem
-from spotring.trainer.compose import compose_checked
+from spotring.support.compose import compose_checked
 
 SamplerName = choices("SamplerName", "auto grid random tpe nsga2")
 PrunerName = choices("PrunerName", "none median hyperband")

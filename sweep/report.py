@@ -248,8 +248,8 @@ def _draw(sweep_dir: Path, objectives: dict[str, str], rows: list[TrialRow],
         return []
     try:
         # Here, not at the top: the runner imports this module before any trial, and
-        # matplotlib is an extra. spotring.plotting sets the Agg backend.
-        from spotring import plotting as plots
+        # matplotlib is an extra. spotring.support.plotting sets the Agg backend.
+        from spotring.support import plotting as plots
     except ImportError:
         return None
     drawn = [HISTORY]

@@ -25,7 +25,7 @@ How a trial ends decides what the study records:
                                   then, failed (a divergence, bad input, a failure that
                                   repeats at the same step)
 
-The exit is read with rank 0's note where it left one (spotring.exits.with_note: torchrun
+The exit is read with rank 0's note where it left one (spotring.support.restarts.with_note: torchrun
 exits 1 whatever the trainer's exit 65 or 75), and the step a try reached from its
 metrics (launch.tries.step_reached).
 
@@ -53,9 +53,9 @@ import optuna
 from optuna.trial import TrialState
 
 from spotring import checkpoint, contract
-from spotring.exits import (
-    DIVERGED,
-    EXIT_OK,
+from spotring.exits import DIVERGED, EXIT_OK
+from spotring.launch.tries import step_reached
+from spotring.support.restarts import (
     MAX_PREEMPTIONS,
     MAX_RESTARTS,
     NOTES,
@@ -64,7 +64,6 @@ from spotring.exits import (
     classify,
     with_note,
 )
-from spotring.launch.tries import step_reached
 from spotring.sweep import report
 from spotring.sweep.config import Plan, record_field
 from spotring.sweep.slots import TRIAL_LOG, Attempt, Slot, Work

@@ -300,8 +300,10 @@ def test_engine_options_come_as_an_object_or_as_keywords_over_it(tmp_path):
     ({"timeout_s": 0}, "timeout_s=0: must be positive"),
     ({"device": "tpu"}, "device=tpu: unknown (did you mean cpu?); valid: auto, cpu, cuda"),
     ({"keep": 0, "check_every_steps": 0},
-     "keep=0: must be positive; check_every_steps=0: must be positive"),
-    ({"checkpoint_uri": "bucket/prefix"}, "uri=bucket/prefix: expected s3://bucket/prefix"),
+     "checkpoint.keep=0: must be positive; preemption.check_every_steps=0: must be positive"),
+    ({"checkpoint_uri": "bucket/prefix"},
+     "checkpoint.uri=bucket/prefix: expected s3://bucket/prefix, gs://bucket/prefix, "
+     "az://container/prefix or file:///path"),
     ({"checkpoint": spotring.CheckpointOptions(keep=5), "poll_seconds": 1},
      None),  # a TypeError: init has no such keyword (PreemptionOptions has)
 ])
@@ -314,6 +316,18 @@ def test_an_option_the_engine_or_its_class_lacks_exits_2_naming_what_is_valid(
         return
     assert says in refused(capsys, **options)
     assert list(tmp_path.iterdir()) == []  # no run directory, no checkpoints
+
+
+def test_a_launchers_checkpoint_uri_without_a_scheme_exits_2_naming_the_variable(
+        tmp_path, monkeypatch, capsys):
+    """The s3:// forgotten in a launcher's environment (a SkyPilot envs: block) would send
+    every checkpoint to ./mybucket/prefix, which goes with the machine: refused as the
+    option is, naming the variable, before anything exists."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SPOTRING_CHECKPOINT_URI", "mybucket/prefix")
+    assert ("SPOTRING_CHECKPOINT_URI=mybucket/prefix: expected s3://bucket/prefix, "
+            "gs://bucket/prefix, az://container/prefix or file:///path") in refused(capsys)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_checkpoint_and_preemption_options_as_objects(tmp_path, monkeypatch):

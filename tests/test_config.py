@@ -126,6 +126,9 @@ MPIRUN = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1",
                  "engine=horovod engine.backend=gloo needs Horovod's Gloo controller: start "
                  "the job with horovodrun --gloo; under mpirun Horovod averages over MPI",
                  marks=needs_horovod),
+    # A launcher's checkpoint URI whose s3:// was forgotten: refused as checkpoint.uri is.
+    ([], {"SPOTRING_CHECKPOINT_URI": "mybucket/prefix"},
+     "SPOTRING_CHECKPOINT_URI=mybucket/prefix: expected s3://bucket/prefix"),
 ])
 def test_what_only_the_launch_can_tell_is_refused_before_training(tmp_path, monkeypatch,
                                                                   overrides, launch,

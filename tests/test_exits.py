@@ -1,4 +1,4 @@
-"""One restart policy (spotring.exits.verdict), applied by every launcher: what each exit
+"""One restart policy (spotring.support.restarts.verdict), applied by every launcher: what each exit
 code is, and, for every code, how many times `spotring launch` (its recovery), the batch
 script of `spotring sbatch` and the runner of `spotring sweep` run a job that keeps
 ending with it, against what the policy table (docs/exit-codes.md) says."""
@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from spotring.exits import (
+from spotring.launch import recover
+from spotring.launch import slurm as sbatch
+from spotring.support.restarts import (
     MAX_PREEMPTIONS,
     MAX_RESTARTS,
     Launcher,
@@ -21,8 +23,6 @@ from spotring.exits import (
     table,
     verdict,
 )
-from spotring.launch import recover
-from spotring.launch import slurm as sbatch
 from spotring.sweep import runner
 from tests.conftest import REPO
 from tests.test_launch_recover import node, supervised

@@ -28,7 +28,7 @@ import torch
 from packaging.requirements import Requirement
 
 from spotring.launch import wheel
-from tests.conftest import REPO
+from tests.conftest import REPO, pyproject
 
 KIT = REPO / "tools" / "gpu-check"
 
@@ -326,7 +326,7 @@ def test_a_bundle_of_other_code_than_the_checkouts_is_refused_naming_the_files(t
     checkout = tmp_path / "checkout"
     checkout.mkdir()
     (checkout / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text())
-    for folder in ("spotring", "conf", "trainer", "launch", "benchmarks", "sweep"):
+    for folder in pyproject()["tool"]["setuptools"]["package-dir"].values():
         # Not the runs under benchmarks/results, which git ignores (and may be large).
         shutil.copytree(REPO / folder, checkout / folder,
                         ignore=shutil.ignore_patterns("__pycache__", "runs"))

@@ -3,15 +3,17 @@ one way, so no module imports, at any depth or inside a function, one that impor
 back; and spotring's parts stand in layers, each importing only those below it (parts
 side by side import neither each other):
 
-    spotring.conf <- spotring <- spotring.trainer <- spotring.launch <- spotring.benchmarks
-                                                                        spotring.sweep
+    spotring.conf <- spotring <- spotring.support <- spotring.trainer <- spotring.launch
+                                                      <- spotring.benchmarks | spotring.sweep
 
 spotring.conf is data (it imports nothing); spotring (the base: the modules of spotring/
 itself) is the public API and the ``spotring`` command's dispatcher, which finds the
-subcommands through entry points and so names no part above it; trainer the built-in
-trainer on it; launch runs jobs on clusters; benchmarks measures them with launch's
-commands, and sweep runs many trials with them. The parts are the repository's top-level
-folders, mapped under ``spotring.`` by pyproject.toml, which this test reads.
+subcommands through entry points and so names no part above it; support what the parts
+above share and a user's script never calls (the restart policy, Hydra's composition,
+the plots); trainer the built-in trainer on them; launch runs jobs on clusters;
+benchmarks measures them with launch's commands, and sweep runs many trials with them.
+The parts are the repository's top-level folders, mapped under ``spotring.`` by
+pyproject.toml, which this test reads.
 ``importlib.import_module("...")`` with a constant name counts as an import.
 """
 
@@ -25,8 +27,8 @@ from pathlib import Path
 from tests.conftest import REPO, pyproject
 
 BASE = "spotring"
-LAYERS = (("spotring.conf",), (BASE,), ("spotring.trainer",), ("spotring.launch",),
-          ("spotring.benchmarks", "spotring.sweep"))  # lowest first
+LAYERS = (("spotring.conf",), (BASE,), ("spotring.support",), ("spotring.trainer",),
+          ("spotring.launch",), ("spotring.benchmarks", "spotring.sweep"))  # lowest first
 PARTS = [p for layer in LAYERS for p in layer]
 SHOWN = " <- ".join(" | ".join(layer) for layer in LAYERS)
 

@@ -219,7 +219,7 @@ def test_an_unreadable_store_or_a_stale_index_is_refused_naming_it(tmp_path, s3)
 def test_a_corrupt_shard_is_read_again_then_fails_naming_it(tmp_path, s3, store):
     uri = str(tmp_path / "shards") if store == "directory" else f"s3://spotring/corrupt-{store}"
     written(uri, blobs(96), 48, 8)
-    target = open_store(uri)
+    target = open_store(uri, paths=True)
     data = bytearray(target.read("shard-000001.tar"))
     data[5000] ^= 0xFF  # inside sample 2, so in block 0 of the shard: same size
     target.write("shard-000001.tar", bytes(data))

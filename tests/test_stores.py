@@ -61,7 +61,7 @@ class Case:
 def case(request, tmp_path, monkeypatch) -> Iterator[Case]:
     kind = request.param
     if kind == "directory":
-        uri, emulator, part_bytes = str(tmp_path / "store"), None, 2**20
+        uri, emulator, part_bytes = (tmp_path / "store").as_uri(), None, 2**20
     else:
         emulator = request.getfixturevalue(EMULATORS[kind])
         uri, part_bytes = emulator.uri(f"t-{uuid.uuid4().hex[:8]}"), emulator.part_bytes
@@ -293,7 +293,7 @@ def test_a_store_pickles_as_its_uri_and_lists_the_same_in_another_process(case):
     ("az://container/runs/a", "AzureStore"), ("file:///mnt/shared/runs/a", "DirectoryStore"),
     ("/mnt/shared/runs/a", "DirectoryStore"), ("runs/a", "DirectoryStore")])
 def test_the_scheme_chooses_the_store(uri, store):
-    made = open_store(uri, key="dataset.uri")
+    made = open_store(uri, key="dataset.uri", paths=True)
     assert type(made).__name__ == store
     assert made.where == uri.removeprefix("file://")
 
@@ -303,10 +303,12 @@ def test_the_scheme_chooses_the_store(uri, store):
 def test_a_uri_of_no_store_is_refused_naming_every_valid_form(uri):
     forms = "s3://bucket/prefix, gs://bucket/prefix, az://container/prefix or file:///path"
     assert uri_problem(uri, "checkpoint.uri") == f"checkpoint.uri={uri}: expected {forms}"
-    if uri != "bucket/prefix":  # open_store takes a bare path as a directory
+    with pytest.raises(ConfigError, match=f"checkpoint.uri={uri}: expected {forms}$"):
+        open_store(uri, key="checkpoint.uri")  # a checkpoint's store: never a bare path
+    if uri != "bucket/prefix":  # a dataset's may be a bare path, a directory
         with pytest.raises(ConfigError, match=f"dataset.uri={uri}: expected .*, file:///path "
                                               "or a directory's path"):
-            open_store(uri, key="dataset.uri")
+            open_store(uri, key="dataset.uri", paths=True)
 
 
 def test_importing_spotring_and_its_launchers_imports_neither_gcs_nor_azure_client():

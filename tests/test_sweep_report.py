@@ -181,11 +181,11 @@ def test_extra_objective_gets_a_column_and_maximized_x(tmp_path):
 
 
 def test_nothing_complete_and_no_matplotlib(tmp_path, monkeypatch):
-    import spotring
+    import spotring.support
 
-    monkeypatch.delattr(spotring, "plotting", raising=False)
-    # As if matplotlib were absent: importing spotring.plotting raises ImportError.
-    monkeypatch.setitem(sys.modules, "spotring.plotting", None)
+    monkeypatch.delattr(spotring.support, "plotting", raising=False)
+    # As if matplotlib were absent: importing spotring.support.plotting raises ImportError.
+    monkeypatch.setitem(sys.modules, "spotring.support.plotting", None)
     rows = [row(0, "running"), row(1, "failed", note="exit 1 after 2 retries")]
     md = report.write(tmp_path, "s", {"test_accuracy": "maximize"}, rows, [],
                       "spotring sweep").read_text()

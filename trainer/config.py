@@ -27,7 +27,7 @@ from spotring.options import (
     PreemptionOptions,
     choices,
 )
-from spotring.trainer.compose import compose_checked
+from spotring.support.compose import compose_checked
 
 # The resolver conf/config.yaml's hydra.run.dir goes through: the launch contract's run
 # directory ($SPOTRING_RUN_DIR, spotring/contract.py) where a launcher gave one, else its

@@ -1,11 +1,11 @@
-"""The one place the launcher's boto3 clients are made, with spotring/aws.py's retries
+"""The one place the launcher's boto3 clients are made, with spotring/stores/aws.py's retries
 (AWS_MAX_ATTEMPTS and AWS_RETRY_MODE, where set, as they are when the client is made)."""
 
 from __future__ import annotations
 
 import boto3
 
-from spotring.aws import retries
+from spotring.stores.aws import retries
 
 
 def session(region: str) -> boto3.session.Session:

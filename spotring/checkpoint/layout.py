@@ -246,12 +246,14 @@ class Checkpoints:
     rank of every host reaches, where one is given; opened, not yet asked anything.
 
     keep: checkpoints kept in each store. background, sharded: how a job saves them
-    (spotring.CheckpointOptions, whose ``open`` makes one)."""
+    (spotring.CheckpointOptions, whose ``open`` makes one). key: where ``uri`` came from,
+    which a refusal of it names (ConfigError: a uri without a scheme is refused)."""
 
     def __init__(self, directory: str | Path, keep: int, uri: str | None = None, *,
-                 background: bool = True, sharded: bool | None = None) -> None:
+                 background: bool = True, sharded: bool | None = None,
+                 key: str = "checkpoint.uri") -> None:
         self.local = DirectoryStore(directory)
-        self.remote = open_store(uri) if uri else None
+        self.remote = open_store(uri, key=key) if uri else None
         self.keep, self.background, self.sharded = keep, background, sharded
         self._checked = False
 

@@ -79,7 +79,7 @@ def _write(args: argparse.Namespace) -> None:
 def _index(uri: str, block_samples: int) -> None:
     from spotring.shards.dataset import progress
 
-    store = open_store(uri)
+    store = open_store(uri, key="URI", paths=True)
     store.check_access()
     index = build(store, block_samples, progress=progress("indexing"))
     store.write(INDEX, index.to_json())

@@ -90,7 +90,7 @@ class Shards(torch.utils.data.Dataset):
         if retries < 1:
             raise ConfigError(f"retries={retries}: give 1 or more tries per read")
         self.uri, self.decode, self.retries, self.option = uri, decode, retries, key
-        store = open_store(uri, key=key)
+        store = open_store(uri, key=key, paths=True)
         store.check_access()
         try:
             listing = store.sizes("")
@@ -263,7 +263,7 @@ class _Local:
 
     def __init__(self, shards: Shards) -> None:
         self.pid, self.shards = os.getpid(), shards
-        self.store = open_store(shards.uri, key=shards.option)
+        self.store = open_store(shards.uri, key=shards.option, paths=True)
         self.cache = BlockCache(shards.cache_dir, shards.cache_limit)
         self.threads = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="shards")
         self.lock, self.counting = threading.Lock(), threading.Lock()

@@ -42,7 +42,7 @@ def write(dataset: Any, uri: str, *, samples_per_shard: int = SAMPLES_PER_SHARD,
                         ("block_samples", block_samples)):
         if value < 1:
             raise ConfigError(f"{name}={value}: give 1 or more samples")
-    store = open_store(uri, key=key)
+    store = open_store(uri, key=key, paths=True)
     store.check_access()
     existing = store.sizes("")
     old = [n for n in existing if n == INDEX or n.endswith(".tar")]

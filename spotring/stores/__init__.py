@@ -45,13 +45,14 @@ SCHEMES = {
 }
 
 
-def open_store(uri: str, *, key: str = "checkpoint.uri", part_bytes: int = PART_BYTES) -> Store:
-    """The store ``uri`` names (a URI of SCHEMES, or a directory's path); ``key``: the
-    option it came from, which messages name; ``part_bytes``: the size of an upload's
-    parts. ConfigError for a URI of no known form, or
-    a store whose client library is not installed (naming the extra to install). Makes
-    no request: check_access does."""
-    if problem := uri_problem(uri, key, paths=True):
+def open_store(uri: str, *, key: str = "checkpoint.uri", part_bytes: int = PART_BYTES,
+               paths: bool = False) -> Store:
+    """The store ``uri`` names (a URI of SCHEMES; with ``paths``, a directory's path too);
+    ``key``: the option it came from, which messages name; ``part_bytes``: the size of an
+    upload's parts. ConfigError (``uri_problem``'s line) for a URI of no known form, or a
+    store whose client library is not installed (naming the extra to install). Makes no
+    request: check_access does."""
+    if problem := uri_problem(uri, key, paths=paths):
         raise ConfigError(problem)
     module, name = SCHEMES[urlparse(uri).scheme or "file"][0].split(":")
     return getattr(importlib.import_module(module), name).from_uri(uri, key=key,
@@ -60,9 +61,13 @@ def open_store(uri: str, *, key: str = "checkpoint.uri", part_bytes: int = PART_
 
 def uri_problem(uri: str, key: str = "checkpoint.uri", *, paths: bool = False) -> str | None:
     """None if ``uri`` has the form of a store's URI, else the line that says what is
-    wrong with it and names the valid forms. ``paths``: a bare path counts, as a
-    directory (where a value without a scheme is more likely a mistyped bucket, such as
-    checkpoint.uri=bucket/prefix, leave it False: file:/// says a directory is meant)."""
+    wrong with it and names the valid forms: the one check of a store's URI, whichever
+    way it came (an option, an environment variable, a launcher's setting). ``paths``: a
+    bare path counts, as a directory: for a dataset, which a path that holds nothing
+    refuses anyway. Never for a checkpoint's store, where a value without a scheme is
+    more likely a bucket whose s3:// was forgotten (checkpoint.uri=bucket/prefix), and
+    would send every checkpoint to a local folder that goes with the machine: file:///
+    says a directory is meant."""
     parsed = urlparse(uri)
     scheme = parsed.scheme or ("file" if paths else "")
     if scheme == "file":

@@ -3,7 +3,7 @@
 Credentials and endpoint come from boto3's usual chain: the environment
 (AWS_ACCESS_KEY_ID..., AWS_PROFILE), ~/.aws, the instance profile; AWS_ENDPOINT_URL for
 another endpoint (MinIO, GCS's S3 interoperability, the tests' moto server). Retries are
-botocore's adaptive mode (spotring/aws.py).
+botocore's adaptive mode (spotring/stores/aws.py).
 
 A large file goes up as a multipart upload, PART_BYTES a part, several parts at once;
 S3 shows the object only once the upload completes, so one cut midway is never listed.
@@ -121,7 +121,7 @@ def _config(attempts: int | None = None):
     given) and the stores' timeouts."""
     from botocore.config import Config
 
-    from spotring.aws import retries
+    from spotring.stores.aws import retries
 
     config = retries().merge(Config(connect_timeout=CONNECT_TIMEOUT_S,
                                     read_timeout=READ_TIMEOUT_S))

@@ -1,6 +1,6 @@
 """matplotlib for the reports' PNG files: the headless backend, and a PNG written whole.
 
-    from spotring.plotting import plt, save
+    from spotring.support.plotting import plt, save
     fig, ax = plt.subplots()
     ...
     save(fig, folder / "history.png")

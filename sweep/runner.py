@@ -31,8 +31,13 @@ metrics (launch.tries.step_reached).
 
 A slot is free again the moment its trial ends. Trials the study holds as running when
 the sweep starts (a sweep that was stopped or killed) resume first; finished ones are
-never run again. Two counts per trial, both in the study (user attrs), so that they
-outlive the sweep process and the Trial objects, which are new on every attempt:
+never run again. An attempt's processes hold its trial.log locked (flock, inherited with
+the file they write to) for as long as any of them runs, and the next attempt waits for
+them: a sweep killed outright leaves its trials running, told to stop
+(slots._ends_with_sweep), and one may still be writing its checkpoint, or its
+summary.json where the stop came after its last step, when the next sweep reaches it.
+Two counts per trial, both in the study (user attrs), so that they outlive the sweep
+process and the Trial objects, which are new on every attempt:
 `starts`, its attempts (restarts = starts - 1, whatever stopped the one before), and
 `retries`, those charged to the trial (its own stops while the sweep ran) against
 sweep.max_retries; `ended`, [exit, step] of its last attempt, tells a repeat.
@@ -41,6 +46,7 @@ sweep.max_retries; `ended`, [exit, step] of its last attempt, tells a repeat.
 from __future__ import annotations
 
 import datetime
+import fcntl
 import json
 import logging
 import time
@@ -52,9 +58,11 @@ from typing import IO, Any
 import optuna
 from optuna.trial import TrialState
 
-from spotring import checkpoint, contract
-from spotring.exits import DIVERGED, EXIT_OK
+from spotring import contract
+from spotring.checkpoint import layout
+from spotring.exits import DIVERGED, EXIT_OK, ConfigError
 from spotring.launch.tries import step_reached
+from spotring.polling import poll
 from spotring.support.restarts import (
     MAX_PREEMPTIONS,
     MAX_RESTARTS,
@@ -66,11 +74,14 @@ from spotring.support.restarts import (
 )
 from spotring.sweep import report
 from spotring.sweep.config import Plan, record_field
-from spotring.sweep.slots import TRIAL_LOG, Attempt, Slot, Work
+from spotring.sweep.slots import STOP_GRACE_S, TRIAL_LOG, Attempt, Slot, Work
 from spotring.sweep.study import Study
 
 log = logging.getLogger("launch")
 POLL_S = 1.0  # how often trials are checked for their end and new evaluations
+# How long an attempt waits for the processes of the trial's attempt before it to end:
+# the grace they were given to checkpoint and leave, and as much again.
+EARLIER_ATTEMPT_S = 2 * STOP_GRACE_S
 STATES = {TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned",
           TrialState.FAIL: "failed", TrialState.RUNNING: "running", TrialState.WAITING: "running"}
 PARAMS = "SPOTRING_PARAMS"  # a trial's values as JSON, for scripts that read them there
@@ -169,6 +180,7 @@ class Runner:
         trial_dir.mkdir(parents=True, exist_ok=True)
         frozen = self.study.study.trials[trial.number]
         out = open(trial_dir / TRIAL_LOG, "ab")  # noqa: SIM115 - closed in _finish
+        _hold(out, trial.number, trial_dir / TRIAL_LOG)
         params = " ".join(f"{k}={v}" for k, v in self._params(trial.params).items())
         if (trial_dir / "summary.json").exists():
             attempt = Attempt([], group=False)  # it ended as the sweep stopped: tell only
@@ -331,11 +343,37 @@ def _stamp(log: IO[bytes], event: str) -> None:
     log.flush()
 
 
+def _hold(out: IO[bytes], number: int, path: Path) -> None:
+    """Lock ``out``, the trial's log at ``path``, for the attempt about to start: its
+    processes write to it and so hold the lock until the last of them ends, even where
+    the sweep ends first. First wait for those of an earlier attempt to end (within
+    EARLIER_ATTEMPT_S, else ConfigError): started beside them, this one would share their
+    run directory, and run again a trial that they finish."""
+    def locked() -> bool | None:
+        try:
+            fcntl.flock(out.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return None
+
+    if locked():
+        return
+    log.info("sweep: trial %d: processes of an earlier attempt still run (they hold %s); "
+             "waiting for them to end", number, path)
+    try:
+        poll(locked, timeout_s=EARLIER_ATTEMPT_S, interval_s=0.1,
+             what=f"the earlier attempt of trial {number} to end")
+    except TimeoutError:
+        raise ConfigError(f"trial {number}: processes of an earlier attempt still run after "
+                          f"{EARLIER_ATTEMPT_S:g} s (they hold {path}: `fuser -v {path}` "
+                          "names them); stop them, then run the same command again") from None
+
+
 def _has_checkpoint(trial_dir: Path) -> bool:
     """Whether the trial's run directory holds a checkpoint its next attempt resumes from
     (one here; a trial on a cluster keeps its own on its node or in S3)."""
-    folder = checkpoint.directory_of(trial_dir)
-    return folder.is_dir() and bool(checkpoint.manifests(p.name for p in folder.iterdir()))
+    folder = layout.directory_of(trial_dir)
+    return folder.is_dir() and bool(layout.manifests(p.name for p in folder.iterdir()))
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -50,7 +50,8 @@ def train(uri: str, cache_dir: str, steps: int, save_every: int = 8,
         job.track(model=model, optimizer=optimizer, loader=loader)
         job.restore()
         for _ in loader.epochs(-(-steps // STEPS_PER_EPOCH)):
-            for x, y, keys in loader:
+            # None left where the run resumed from a stop at its last step.
+            for x, y, keys in loader if job.step_count < steps else ():
                 loss = ((model(x) - y) ** 2).mean()
                 optimizer.zero_grad()
                 loss.backward()
@@ -65,9 +66,9 @@ def train(uri: str, cache_dir: str, steps: int, save_every: int = 8,
                     job.save_and_exit()
                 if job.step_count % save_every == 0 and job.step_count < steps:
                     job.save(background=False)
-                if job.step_count == steps:
+                if job.step_count >= steps:
                     break
-            if job.step_count == steps:
+            if job.step_count >= steps:
                 break
         job.save(background=False)
         if job.is_main:

@@ -156,7 +156,8 @@ def watching(**options) -> Iterator[Preemption]:
     service that answers."""
     watcher = Preemption(spotring.PreemptionOptions(**options), OneRank(), local_rank=0)
     try:
-        assert watcher.notice_seconds == NOTICE_SECONDS  # EC2's, until a service answers
+        # Nothing about the window before the source is found: the watcher's thread may
+        # have found it already (test_the_window_is_ec2s_until_a_service_answers).
         deadline = time.monotonic() + 30
         while watcher.source is None:
             assert time.monotonic() < deadline, "no metadata service found in 30 s"
@@ -165,6 +166,52 @@ def watching(**options) -> Iterator[Preemption]:
     finally:
         watcher.close()
         watcher.restore_signals()
+
+
+class HeldGCPStub(GCPStub):
+    """GCP's server, answering nothing until the test opens it: the watcher's probes
+    time out (and are tried again) until then."""
+
+    def __init__(self) -> None:
+        self.asked, self.opened = threading.Event(), threading.Event()
+        super().__init__()
+
+    def answer(self, method, path, headers):
+        self.asked.set()
+        self.opened.wait(60)
+        return super().answer(method, path, headers)
+
+    def close(self) -> None:
+        self.opened.set()  # the held requests end, and the server with them
+        super().close()
+
+
+def test_the_window_is_ec2s_until_a_service_answers(only, monkeypatch):
+    # Only while no service can have answered is the window the watcher starts with
+    # observable: its thread looks for the service from the moment it is made.
+    monkeypatch.setattr("spotring.preemption._FIND_SECONDS", 60)  # however slow the probes
+    stub = only(HeldGCPStub())
+    with contextlib.ExitStack() as stack:
+        watcher = Preemption(spotring.PreemptionOptions(notices="gcp", poll_seconds=0.05),
+                             OneRank(), local_rank=0)
+        stack.callback(watcher.restore_signals)
+        stack.callback(watcher.close)
+        assert stub.asked.wait(30), "the watcher's probe never came"
+        assert watcher.source is None and watcher.notice_seconds == NOTICE_SECONDS
+        stub.opened.set()
+        poll(lambda: watcher.source, timeout_s=30, interval_s=0.01,
+             what="the watcher to find GCP's server once it answers")
+        assert watcher.notice_seconds == WINDOWS["gcp"]
+    # Where none answers, and on a rank that does not watch, it stays EC2's.
+    for name, value in pointed_at().items():
+        monkeypatch.setenv(name, value)
+    for local_rank in (0, 1):
+        watcher = Preemption(spotring.PreemptionOptions(), OneRank(), local_rank=local_rank)
+        try:
+            assert watcher.notice_seconds == NOTICE_SECONDS
+        finally:
+            watcher.close()
+            watcher.restore_signals()
 
 
 @pytest.mark.parametrize("service", STUBS, indirect=True)
@@ -251,11 +298,19 @@ def test_gcp_answers_at_once_a_flag_up_before_the_first_request():
 
 
 @pytest.mark.parametrize("wait_for_change", ["ignored", "refused"])
-def test_a_gcp_server_that_will_not_hold_a_request_is_polled(only, caplog,
+def test_a_gcp_server_that_will_not_hold_a_request_is_polled(only, caplog, monkeypatch,
                                                              wait_for_change):
     caplog.set_level(logging.INFO, "spotring")
     stub = only(GCPStub(wait_for_change))
     poll = 0.05
+    asks = []  # when the watcher asked (its clock), and how many requests the stub had had
+    wait = metadata.GCP.wait
+
+    def asking(source):
+        asks.append((time.monotonic(), len(stub.requests)))
+        return wait(source)
+
+    monkeypatch.setattr(metadata.GCP, "wait", asking)
     with watching(notices="gcp", poll_seconds=poll) as watcher:
         deadline = time.monotonic() + 30
         while len(stub.requests) < 10:  # polled a while
@@ -263,10 +318,16 @@ def test_a_gcp_server_that_will_not_hold_a_request_is_polled(only, caplog,
             time.sleep(0.01)
         stub.announce()
         assert next_decision(watcher).stop == "GCP preemption notice"
-    # One request an interval, not one after the other as fast as they are answered
-    # (past the probe, the first request and, where it was refused, the plain one then).
-    came = [c for _, c, _ in stub.exchanges[3:]]
-    assert min(b - a for a, b in itertools.pairwise(came)) > poll / 2, came
+    # One request an interval, not one after the other as fast as they are answered:
+    # timed where the watcher asks. (Where the stub receives them, a request that a busy
+    # machine delayed past its interval is followed at once, rightly, by the next.)
+    asked = [t for t, _ in asks]
+    assert min(b - a for a, b in itertools.pairwise(asked)) > poll / 2, asked
+    # One request an ask (the first: two where the held one was refused); the watcher's
+    # thread has ended, so the stub has had them all.
+    had = [n for _, n in asks] + [len(stub.requests)]
+    assert [b - a for a, b in itertools.pairwise(had)] == \
+        [2 if wait_for_change == "refused" else 1] + [1] * (len(asks) - 1), stub.requests
     if wait_for_change == "refused":  # tried once, then plain requests
         assert sum("wait_for_change" in path for path in stub.requests) == 1, stub.requests
         assert f"GCP's metadata server at {stub.url} failed a request held until its " \

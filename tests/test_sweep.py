@@ -276,7 +276,8 @@ def test_a_killed_trial_resumes_from_its_checkpoint_and_ends_as_if_never_stopped
     trial = load(swept.dir, "script").trials[n]
     assert trial.state == TrialState.COMPLETE and trial.user_attrs["retries"] == 1
     resumed = summary(swept.dir, n)
-    assert 0 < resumed["steps_this_run"] < resumed["steps"] == 30, resumed
+    # Its last attempt resumed: none where the sweep's kill stopped it at its last step.
+    assert 0 <= resumed["steps_this_run"] < resumed["steps"] == 30, resumed
     assert resumed["weights"] == pytest.approx(alone(values(swept.dir)[n])["weights"],
                                                abs=1e-10)
 
@@ -341,6 +342,82 @@ def test_with_a_checkpoint_uri_the_study_survives_the_loss_of_its_machine(script
             in swept.elsewhere)
     assert not re.search(r"trial \d+ (starts|resumes)", swept.elsewhere), swept.elsewhere
     assert [t.state for t in load(swept.ran_in, "script").trials] == [TrialState.COMPLETE] * 4
+
+
+# A trial that outlives its sweep: killed outright, the sweep sends its trials SIGTERM
+# (slots._ends_with_sweep), and each checkpoints and leaves in its own time, or finishes
+# where the stop came too late, as this one does once the test lets it.
+OUTLIVES = """\
+import json, os, signal, sys, time
+from pathlib import Path
+
+events = Path(sys.argv[1])
+with open(events / "started", "a") as f:
+    f.write("started\\n")
+stopped = []
+signal.signal(signal.SIGTERM, lambda *_: stopped.append(1))
+for _ in range(30000):
+    if stopped or (events / "go").exists():
+        break
+    time.sleep(0.01)
+(events / "terminated").touch()
+for _ in range(30000):
+    if (events / "go").exists():
+        break
+    time.sleep(0.01)
+run = Path(os.environ["SPOTRING_RUN_DIR"])
+run.mkdir(parents=True, exist_ok=True)
+(run / "summary.json").write_text(json.dumps({"test_loss": 0.5}))
+"""
+
+
+@pytest.mark.slow(cores=1)
+def test_a_trial_still_running_from_a_killed_sweep_is_waited_for_and_not_run_again(tmp_path):
+    events, project = tmp_path / "events", write_project(tmp_path / "project")
+    events.mkdir()
+    (project / "outlives.py").write_text(OUTLIVES)
+    args = ("sweep=custom", "sweep.name=outlived", "sweep.trials=1", "sweep.parallel=1",
+            "sweep.params.x=choice(1)", "sweep.objectives=[test_loss]", "--",
+            "python", "outlives.py", str(events), "{x}")
+    sweep_dir = project / "runs" / "sweeps" / "outlived"
+
+    def started() -> int:
+        path = events / "started"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    outputs = [tmp_path / "first.out", tmp_path / "second.out"]
+    sweeps = []
+    try:
+        with open(outputs[0], "w") as out:
+            sweeps.append(subprocess.Popen(sweep_command(*args), cwd=project, stdout=out,
+                                           stderr=subprocess.STDOUT, start_new_session=True,
+                                           env=local_environment()))
+        poll(lambda: started() or None, timeout_s=120, interval_s=0.05,
+             what="the trial to start")
+        os.killpg(sweeps[0].pid, signal.SIGKILL)
+        sweeps[0].wait(timeout=30)
+        poll(lambda: (events / "terminated").exists() or None, timeout_s=30, interval_s=0.05,
+             what="the trial, outliving its sweep, to be sent SIGTERM")
+        with open(outputs[1], "w") as out:
+            sweeps.append(subprocess.Popen(sweep_command(*args), cwd=project, stdout=out,
+                                           stderr=subprocess.STDOUT, start_new_session=True,
+                                           env=local_environment()))
+        # The second sweep waits for the trial's processes, or runs its command again.
+        poll(lambda: "processes of an earlier attempt still run" in outputs[1].read_text()
+             or started() > 1 or None, timeout_s=120, interval_s=0.05,
+             what="the second sweep to reach the trial")
+        assert started() == 1, outputs[1].read_text()
+        (events / "go").touch()
+        assert sweeps[1].wait(timeout=120) == 0, outputs[1].read_text()
+    finally:
+        (events / "go").touch()  # whatever still runs of the trial ends
+        for sweep in sweeps:
+            if sweep.poll() is None:
+                os.killpg(sweep.pid, signal.SIGKILL)
+                sweep.wait(timeout=30)
+    (trial,) = load(sweep_dir, "outlived").trials
+    assert trial.state == TrialState.COMPLETE and trial.values == [0.5]
+    assert trial.user_attrs["starts"] == 1 and started() == 1
 
 
 def test_a_trial_left_without_values_by_a_sweep_killed_inside_ask_gets_them_on_resume(

@@ -6,9 +6,10 @@ least-squares model, so that N workers end with one worker's parameters to 1e-10
 
 It checkpoints every --save-every steps, stops on a spot notice (its cloud's metadata
 service watched, asked every --poll-seconds where it answers at once) or SIGTERM with
-exit 75, resumes from its newest checkpoint, logs a train record every step and a test
-record at every epoch end (what `spotring sweep` prunes on), and ends with summary.json
-holding ``test_loss`` and ``weights``. ``PLAIN`` is a script that does not use the library.
+exit 75, resumes from its newest checkpoint (one of its last step: it trains no more),
+logs a train record every step and a test record at every epoch end (what `spotring
+sweep` prunes on), and ends with summary.json holding ``test_loss`` and ``weights``.
+``PLAIN`` is a script that does not use the library.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ with spotring.init(seed=0, preemption=notices) as job:
     job.restore()
     epochs = -(-args.steps // loader.steps_per_epoch)
     for epoch in loader.epochs(epochs):
-        for xb, yb in loader:
+        # None left where a stop came at the last step, and saved it: the checkpoint this
+        # run resumed from. (A batch taken from the loader would count as a step.)
+        for xb, yb in loader if job.step_count < args.steps else ():
             loss = ((model(xb).squeeze(1) - yb) ** 2).mean()
             optimizer.zero_grad()
             loss.backward()
@@ -64,12 +67,12 @@ with spotring.init(seed=0, preemption=notices) as job:
             if job.step_count % args.save_every == 0:
                 job.save()
             time.sleep(args.sleep)
-            if job.step_count == args.steps:
+            if job.step_count >= args.steps:
                 break
         with torch.no_grad():
             test_loss = ((model(x).squeeze(1) - y) ** 2).mean().item()
         job.log("test", loss=test_loss)
-        if job.step_count == args.steps:
+        if job.step_count >= args.steps:
             break
     plain = job.unwrap(model)
     weights = [*plain.weight.detach().flatten().tolist(), *plain.bias.detach().tolist()]

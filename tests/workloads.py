@@ -77,7 +77,8 @@ def residual(engine: str = "ddp", steps: int = 16, save_every: int = 4, width: i
         job.track(model=model, optimizer=optimizer, loader=loader)
         job.restore()
         for _ in loader.epochs(-(-steps // STEPS_PER_EPOCH)):
-            for xb, yb in loader:
+            # None left where the run resumed from a stop at its last step.
+            for xb, yb in loader if job.step_count < steps else ():
                 loss = ((model(xb) - yb) ** 2).mean()
                 optimizer.zero_grad()
                 loss.backward()
@@ -92,9 +93,9 @@ def residual(engine: str = "ddp", steps: int = 16, save_every: int = 4, width: i
                     job.save_and_exit()
                 if job.step_count % save_every == 0 and job.step_count < steps:
                     job.save(background=not blocking)
-                if job.step_count == steps:
+                if job.step_count >= steps:
                     break
-            if job.step_count == steps:
+            if job.step_count >= steps:
                 break
         job.save(background=False)
         whole = get_model_state_dict(job.unwrap(model), options=StateDictOptions(

@@ -11,7 +11,7 @@ ARGS   ?=
 PYTEST_ARGS ?=
 # Test files run two at a time: one at a time, the suite keeps the 2 cores about 60%
 # busy (its processes wait for timeouts, start-ups and launchers). The cores' tokens
-# (tests/cores.py) decide which tests share them. loadfile keeps a file's tests, and the
+# (harness/cores.py) decide which tests share them. loadfile keeps a file's tests, and the
 # runs they share, on one worker. TEST_JOBS=0: one at a time.
 TEST_JOBS ?= 2
 # make bench QUICK=1: the few-minutes run; make report RUN=name: a benchmarks/results
@@ -19,7 +19,7 @@ TEST_JOBS ?= 2
 QUICK  ?=
 RUN    ?=
 BENCH_ARGS ?=
-AZURITE := tests/azurite/node_modules/.bin/azurite-blob
+AZURITE := harness/azurite/node_modules/.bin/azurite-blob
 
 # horovodrun and mpirun start `python` and `orted` by name: find the venv's first.
 export PATH := $(BIN):$(PATH)
@@ -61,12 +61,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(BIN)/pip install --upgrade -c constraints.txt -e '.[mpi,horovod,bench,sweep,test]'
 	touch $@
 
-# Azurite, Microsoft's Azure Storage emulator, for the store tests (tests/stores.py): from
-# npm, at the versions tests/azurite/package-lock.json pins, into tests/azurite/node_modules.
+# Azurite, Microsoft's Azure Storage emulator, for the store tests (harness/stores.py): from
+# npm, at the versions harness/azurite/package-lock.json pins, into harness/azurite/node_modules.
 # Without npm, a note, and the Azure tests skip.
-$(AZURITE): tests/azurite/package.json tests/azurite/package-lock.json
+$(AZURITE): harness/azurite/package.json harness/azurite/package-lock.json
 	@if command -v npm > /dev/null; then \
-	    npm ci --prefix tests/azurite --no-audit --no-fund --loglevel=error && touch $@; \
+	    npm ci --prefix harness/azurite --no-audit --no-fund --loglevel=error && touch $@; \
 	else \
 	    echo "azurite: npm is missing: the Azure Blob store tests will skip"; \
 	fi
@@ -138,7 +138,7 @@ down: install
 	$(BIN)/spotring down cluster=$(CLUSTER) $(if $(RUN_ID),run_id=$(RUN_ID)) $(LAUNCH_ARGS)
 
 # Debian packages: sshd for the local cluster, SLURM and munge for the SLURM tests
-# (tests/slurm.py starts its own daemons; none is set up system-wide). Installed as root
+# (harness/slurm.py starts its own daemons; none is set up system-wide). Installed as root
 # when a program of theirs is missing; elsewhere a note, and those tests skip.
 SYSTEM_PACKAGES := openssh-server openssh-client slurmctld slurmd slurm-client munge
 SYSTEM_PROGRAMS := /usr/sbin/sshd /usr/bin/ssh-keyscan /usr/sbin/slurmctld /usr/sbin/slurmd \

@@ -1,7 +1,7 @@
 """Helpers to run the trainer as users do (real processes, real launchers) and read
 back what it leaves behind; and what the session's tests share across pytest-xdist's
 workers: the cores (``cores``: a test marked slow holds one for each process it keeps
-busy, tests/cores.py) and the runs several test files compare with (``cached``: built
+busy, harness/cores.py) and the runs several test files compare with (``cached``: built
 once per session by the first worker that asks)."""
 
 from __future__ import annotations
@@ -19,16 +19,15 @@ import pytest
 import torch
 from filelock import FileLock
 
+from harness import REPO
+from harness.cores import cores, share
 from spotring.checkpoint.layout import Checkpoint, Checkpoints
 from spotring.checkpoint.parts import load_whole
 from spotring.launch.commands import local_command, local_environment
 from spotring.trainer.config import compose
-from tests.cores import cores, share
 
 # The object stores' emulators (moto_s3, azurite, gcs_emulator), for every test.
-pytest_plugins = ["tests.stores"]
-
-REPO = Path(__file__).resolve().parents[1]
+pytest_plugins = ["harness.stores"]
 
 
 def pyproject() -> dict:
@@ -122,7 +121,7 @@ def run_trainer(run_dir: Path, *overrides: str, launcher: str = "single", nproc:
                 expect: int | None = 0, timeout: float = 600, env: dict | None = None) -> Run:
     """The trainer with ``overrides`` on ``nproc`` ranks, started by ``launcher`` (one of
     launch.commands.LAUNCHERS), or by the test itself (launcher="spawned":
-    tests/ranks.py, where no launcher is what the test is about: the trainer's ranks
+    harness/ranks.py, where no launcher is what the test is about: the trainer's ranks
     start in milliseconds instead of importing torch and Hydra each), to its end."""
     args = [f"hydra.run.dir={run_dir}", *QUICK, *overrides]
     with cores(nproc):
@@ -143,7 +142,7 @@ def _spawned(run_dir: Path, nproc: int, args: list[str], timeout: float,
              env: dict[str, str]) -> subprocess.CompletedProcess:
     """The trainer's ranks spawned here, as a CompletedProcess: the first failing rank's
     exit code (else 0) and every rank's output."""
-    from tests import ranks
+    from harness import ranks
 
     with ranks.Ranks(run_dir, nproc, ranks.trainer, env=env, argv=args) as job:
         codes = job.wait(timeout)
@@ -215,7 +214,7 @@ def s3(tmp_path_factory):
     at it (here and in the trainer processes the tests start)."""
     import boto3
 
-    from tests.aws import aws_env, start_moto
+    from harness.aws import aws_env, start_moto
 
     server = start_moto()
     host, port = server.get_host_and_port()

@@ -20,12 +20,12 @@ import torch
 from torch.utils.data import TensorDataset
 
 import spotring
+from harness.commands import call
+from harness.faults import FaultProxy
 from spotring.checkpoint.layout import directory_of, folder_name, newest_valid
 from spotring.exits import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, PREEMPTED, Diverged
 from spotring.polling import poll
-from tests.commands import call
 from tests.conftest import REPO
-from tests.faults import FaultProxy
 
 N, GLOBAL_BATCH = 40, 8
 QUIET = spotring.PreemptionOptions(notices="none")  # no metadata service to look for
@@ -187,7 +187,7 @@ def script(argv: list[str]) -> None:
 ])
 def test_with_turns_what_went_wrong_into_the_exit_code_a_launcher_acts_on(
         tmp_path, args, code, says):
-    done = call(script, str(tmp_path), *args)  # as its process would end (tests/commands.py)
+    done = call(script, str(tmp_path), *args)  # as its process would end (harness/commands.py)
     assert done.code == code, done.err
     assert says in done.err
     assert (tmp_path / "diverged.json").exists() == (code == EXIT_DIVERGED)
@@ -216,7 +216,7 @@ def test_a_background_saves_line_comes_from_the_training_thread_at_the_next_step
 def test_any_way_out_of_with_lets_the_background_save_in_flight_finish(
         tmp_path, s3, monkeypatch, caplog):
     """sys.exit inside ``with`` while a background save uploads: the process waits for it
-    (saying so) rather than end under it. S3 sits behind tests/faults.py's proxy, held
+    (saying so) rather than end under it. S3 sits behind harness/faults.py's proxy, held
     until the wait is logged, so the save is in flight when sys.exit comes."""
     proxy = FaultProxy(s3["AWS_ENDPOINT_URL"])
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)

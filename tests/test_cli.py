@@ -2,7 +2,7 @@
 would have let through with exit 1 (a group option, a key or a type) exits 2 with the bad
 value and the valid options named, before any process group or run directory exists.
 
-Each runs `spotring.cli.main` in this process (tests/commands.py); the installed command
+Each runs `spotring.cli.main` in this process (harness/commands.py); the installed command
 is tests/test_package.py's, and the trainer's bad input under real launchers
 tests/test_config.py's."""
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from harness.commands import call, python_m
 from spotring.cli import main
-from tests.commands import call, python_m
 
 SUBCOMMANDS = ["train", "launch", "up", "run", "status", "down", "cost", "sweep", "sbatch",
                "bench", "report", "predict"]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from harness.commands import call
+from harness.launcher import needs_horovod
 from spotring.exits import GRACE_VARIABLE, ConfigError
 from spotring.trainer.__main__ import main as train
 from spotring.trainer.validation import validate
-from tests.commands import call
 from tests.conftest import QUICK, REPO, compose_config, run_trainer
-from tests.launcher import needs_horovod
 
 
 def problems(*overrides: str) -> str:

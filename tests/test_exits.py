@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.recovery import node, supervised
 from spotring.launch import recover
 from spotring.launch import slurm as sbatch
 from spotring.support.restarts import (
@@ -25,7 +26,6 @@ from spotring.support.restarts import (
 )
 from spotring.sweep import runner
 from tests.conftest import REPO
-from tests.test_launch_recover import node, supervised
 
 
 @pytest.mark.parametrize("code, outcome, budget, transient", [

@@ -2,7 +2,7 @@
 N and one process alone takes with the whole batch, and bad input is named before
 anything runs.
 
-The runs are tests/fsdp_train.py, a user's script: a float64 network of two blocks, AdamW
+The runs are harness/fsdp_train.py, a user's script: a float64 network of two blocks, AdamW
 with weight decay and an LR schedule built before wrap, a tracked spotring.DataLoader, 5
 steps, every rank starting from weights of its own. In float64 the engines agree to
 rounding (measured: 2e-16); the tests demand 1e-10 of the largest difference of any
@@ -20,6 +20,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import spotring
+from harness.cores import cores
+from harness.fsdp_train import STEPS, Block, Net
 from spotring import engines
 from spotring.engines.fsdp import blocks_of
 from spotring.exits import ConfigError
@@ -28,17 +30,15 @@ from spotring.runtime import Launch
 from spotring.trainer.data import evaluation_batches
 from spotring.trainer.validation import validate
 from tests.conftest import REPO, compose_config
-from tests.cores import cores
-from tests.fsdp_train import STEPS, Block, Net
 
 TOLERANCE = 1e-10  # the largest |difference| of any weight, float64
 
 
 def train(out: Path, *args: str, nproc: int = 1) -> dict:
-    """tests/fsdp_train.py with ``args`` on ``nproc`` ranks (torchrun; alone for 1): what
+    """harness/fsdp_train.py with ``args`` on ``nproc`` ranks (torchrun; alone for 1): what
     rank 0 saved."""
     command = local_command("torchrun" if nproc > 1 else "single", nproc, [str(out), *args],
-                            module="tests.fsdp_train")
+                            module="harness.fsdp_train")
     with cores(nproc):
         proc = subprocess.run(command, cwd=REPO, env=local_environment(), capture_output=True,
                               text=True, timeout=300)

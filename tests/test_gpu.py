@@ -48,7 +48,7 @@ from spotring.trainer.validation import gpu_path_problems
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
-DETERMINISTIC = Path(__file__).resolve().with_name("deterministic_trainer.py")
+DETERMINISTIC = Path(__file__).resolve().parents[1] / "harness" / "deterministic_trainer.py"
 RTOL = 1e-10  # float64: what N ranks and the fast paths are held to
 PER_RANK = 32  # batch of each rank in the float64 comparisons
 

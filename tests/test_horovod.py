@@ -12,14 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
+from harness.weights import distance_ratios
 from spotring.checkpoint.layout import newest_valid
 from spotring.exits import EXIT_PREEMPTED
 from spotring.launch.commands import local_command, local_environment
 from spotring.polling import poll
-from spotring.trainer.models import build_model
-from tests.conftest import PARITY, QUICK, REPO, assert_close, compose_config, run_trainer
+from tests.conftest import PARITY, QUICK, REPO, assert_close, run_trainer
 
 STEPS = [*PARITY, "train.batch_size=32"]
 
@@ -48,15 +47,6 @@ def test_timeline_is_valid_json_with_allreduce_events(horovod):
     # Every parameter's gradient is allreduced at each of the 20 steps.
     for parameter in ["0.0.weight", "0.3.weight", "1.weight", "3.bias"]:
         assert allreduces.count(f"allreduce.{parameter}") == 20, parameter
-
-
-def distance_ratios(exact: dict, approximate: dict) -> dict[str, float]:
-    """||approximate - exact|| / ||exact - initial|| per tensor: the error relative to
-    how far the weights moved."""
-    torch.manual_seed(11)
-    initial = build_model(compose_config().model, (1, 28, 28), 10).state_dict()
-    return {n: float((approximate[n] - exact[n]).norm() / (exact[n] - initial[n]).norm())
-            for n in exact}
 
 
 @pytest.mark.slow

@@ -2,11 +2,11 @@
 failure) leaves nothing with the run's tag, capacity fallback, bad input, cost.
 
 The command-line tests run the launcher's main (`spotring up|status|cost|down|launch`) in
-this process (tests/commands.py), against moto through AWS_ENDPOINT_URL; as users type
+this process (harness/commands.py), against moto through AWS_ENDPOINT_URL; as users type
 it, in a process of their own, run `make launch DRY_RUN=1`, a launch stopped by Ctrl-C and
 a command that exits 2. The provider tests call the provider in this process, where
 MotoGaps (botocore's Stubber) answers what moto lacks: placement groups, running out of
-capacity, failing a call (tests/aws.py)."""
+capacity, failing a call (harness/aws.py)."""
 
 from __future__ import annotations
 
@@ -23,16 +23,7 @@ from botocore.awsrequest import AWSResponse
 from botocore.exceptions import ClientError
 from omegaconf import OmegaConf
 
-from spotring.exits import EXIT_CONFIG
-from spotring.launch import config
-from spotring.launch.__main__ import main
-from spotring.launch.aws.provider import AwsSpot
-from spotring.launch.cost import usd
-from spotring.launch.provider import NoCapacity
-from spotring.launch.rundir import RunDir
-from spotring.launch.ssh import new_key
-from spotring.polling import poll
-from tests.aws import (
+from harness.aws import (
     AMI,
     MOTO_CLUSTER,
     MotoGaps,
@@ -46,9 +37,18 @@ from tests.aws import (
     tagged,
     without_aws,
 )
-from tests.commands import Done, call
+from harness.commands import Done, call
+from harness.launcher import launcher
+from spotring.exits import EXIT_CONFIG
+from spotring.launch import config
+from spotring.launch.__main__ import main
+from spotring.launch.aws.provider import AwsSpot
+from spotring.launch.cost import usd
+from spotring.launch.provider import NoCapacity
+from spotring.launch.rundir import RunDir
+from spotring.launch.ssh import new_key
+from spotring.polling import poll
 from tests.conftest import REPO
-from tests.launcher import launcher
 
 OWNER = "arn:aws:sts::123456789012:user/moto"  # who moto says the caller is
 
@@ -82,7 +82,7 @@ def moto_env(aws: dict, tmp_path, **extra) -> dict[str, str]:
 
 @pytest.fixture
 def cli(aws, tmp_path, monkeypatch):
-    """`spotring COMMAND ...` against moto, its main in this process (tests/commands.py),
+    """`spotring COMMAND ...` against moto, its main in this process (harness/commands.py),
     with the stand-in ssh first on PATH, ``extra_env`` set for the call, and its runs
     under tmp_path/runs."""
     monkeypatch.setenv("PATH", f"{stand_in_ssh(tmp_path / 'bin')}:{os.environ['PATH']}")

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
+from harness.commands import python_m
 from spotring.exits import ConfigError
 from spotring.launch import config
 from spotring.launch.__main__ import main
-from tests.commands import python_m
 from tests.conftest import REPO
 
 

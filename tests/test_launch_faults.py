@@ -1,10 +1,10 @@
 """Fault injection: the AWS calls of a whole `spotring launch`, made to fail one at a time.
 
-tests/faults.py puts a proxy in front of the moto server that fails the chosen call over
+harness/faults.py puts a proxy in front of the moto server that fails the chosen call over
 real HTTP (an internal error, throttling, a dropped connection), and botocore's real
 retries meet it. The launcher runs in this process (launch.__main__.main, as `spotring`
 runs it), with AWS_MAX_ATTEMPTS=2: a fault on one attempt passes, an outage fails both.
-Its instances are moto's records, so the job fails at its first ssh (tests/aws.py's
+Its instances are moto's records, so the job fails at its first ssh (harness/aws.py's
 stand-in) and `launch` tears everything down: a launch makes every call it can make.
 
 The calls are counted from a clean launch, not written down here. By default a sample
@@ -18,11 +18,11 @@ import os
 
 import pytest
 
+from harness.aws import MOTO_CLUSTER, aws_env, stand_in_ssh, start_moto, tagged
+from harness.commands import Done, call
+from harness.faults import FAULTS, FaultProxy, blips, in_turn, outage
 from spotring.exits import EXIT_FAILED
 from spotring.launch.__main__ import main
-from tests.aws import MOTO_CLUSTER, aws_env, stand_in_ssh, start_moto, tagged
-from tests.commands import Done, call
-from tests.faults import FAULTS, FaultProxy, blips, in_turn, outage
 
 # Standard, not the launcher's adaptive mode: its client-side rate limit would slow the
 # calls after a throttled one down, in tests that throttle on purpose.
@@ -42,7 +42,7 @@ def proxy():
 
 @pytest.fixture(scope="module")
 def spotring(proxy, tmp_path_factory):
-    """spotring COMMAND ARGS... in this process (tests/commands.py), against the proxy,
+    """spotring COMMAND ARGS... in this process (harness/commands.py), against the proxy,
     with its runs in a temporary directory."""
     home = tmp_path_factory.mktemp("spotring")
 

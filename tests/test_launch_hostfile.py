@@ -7,11 +7,11 @@ import subprocess
 
 import pytest
 
+from harness.launcher import HOROVOD_MISSING, needs_horovod
 from spotring.exits import PREEMPTED
 from spotring.launch import hostfile, job_command
 from spotring.launch.commands import BIN, local_environment
 from spotring.launch.provider import Node
-from tests.launcher import HOROVOD_MISSING, needs_horovod
 
 # Two nodes of 4 GPUs: public addresses for ssh from here, private ones between them.
 NODES = [Node(f"i-{i}", f"203.0.113.{i}", f"10.0.1.{10 + i}", 4, "g5.12xlarge", "us-east-1a",

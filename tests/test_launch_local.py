@@ -17,6 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from harness.cores import cores
+from harness.launcher import (
+    launcher,
+    leftovers,
+    netns_unavailable,
+    processes,
+    run_dir_of,
+)
 from spotring.checkpoint.layout import folder_name, manifest_name, newest_valid
 from spotring.launch import config
 from spotring.launch.local import netns
@@ -24,14 +32,6 @@ from spotring.launch.local.provider import FIRST_HOST, LocalCluster
 from spotring.launch.rundir import RunDir
 from spotring.launch.ssh import RemoteError, Ssh, new_key, scan_host_keys
 from tests.conftest import REPO
-from tests.cores import cores
-from tests.launcher import (
-    launcher,
-    leftovers,
-    netns_unavailable,
-    processes,
-    run_dir_of,
-)
 
 WHY_NOT = netns_unavailable()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")

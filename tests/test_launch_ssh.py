@@ -1,5 +1,5 @@
 """The launcher's ssh to many nodes at once (launch/ssh.py's on_each), in this process,
-through the stand-in ssh of tests/aws.py. Each launcher's real ssh is in
+through the stand-in ssh of harness/aws.py. Each launcher's real ssh is in
 test_launch_local.py; a launch stopped by Ctrl-C, in test_launch_aws.py."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import threading
 
 import pytest
 
+from harness.aws import stand_in_ssh
 from spotring.launch.provider import Node
 from spotring.launch.ssh import Ssh, on_each
 from spotring.polling import poll
-from tests.aws import stand_in_ssh
 
 
 def test_once_one_node_fails_the_others_ssh_is_killed_and_no_more_starts(tmp_path,

@@ -7,9 +7,9 @@ import subprocess
 
 import pytest
 
+from harness.launcher import needs_horovod
 from spotring.launch.commands import BIN, local_environment
 from tests.conftest import QUICK, REPO, Run
-from tests.launcher import needs_horovod
 
 SHORT = ["dataset=synthetic", "dataset.shape=[1,28,28]", "dataset.train_size=1280",
          "train.batch_size=32", "train.max_steps=12", "train.threads=1"]

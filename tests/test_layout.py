@@ -14,13 +14,18 @@ the plots); trainer the built-in trainer on them; launch runs jobs on clusters;
 benchmarks measures them with launch's commands, and sweep runs many trials with them.
 The parts are the repository's top-level folders, mapped under ``spotring.`` by
 pyproject.toml, which this test reads.
-``importlib.import_module("...")`` with a constant name counts as an import.
+``importlib.import_module("...")`` with a constant name counts as an import, and so does
+a name in ``pytest_plugins``.
+
+And the tests stand apart: no module outside tests/ imports tests (its conftest
+included), and no test file imports another; what they share is harness/'s.
 """
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+import os
+from collections.abc import Iterable, Iterator
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
@@ -55,6 +60,8 @@ def imported_by(name: str, path: Path, known: dict[str, Path]) -> dict[str, int]
     for node in _run_time_nodes(ast.parse(path.read_text())):
         if _imports_by_name(node):
             names = {node.args[0].value}
+        elif _plugins(node):
+            names = {element.value for element in node.value.elts}
         elif isinstance(node, ast.Import):
             names = {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -76,6 +83,15 @@ def _imports_by_name(node: ast.AST) -> bool:
     return (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module")
             and bool(node.args) and isinstance(node.args[0], ast.Constant)
             and isinstance(node.args[0].value, str))
+
+
+def _plugins(node: ast.AST) -> bool:
+    """pytest_plugins = ["constant.name", ...]: the modules pytest imports as plugins."""
+    return (isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "pytest_plugins" for t in node.targets)
+            and isinstance(node.value, ast.List | ast.Tuple)
+            and all(isinstance(e, ast.Constant) and isinstance(e.value, str)
+                    for e in node.value.elts))
 
 
 def _run_time_nodes(tree: ast.AST) -> Iterator[ast.AST]:
@@ -177,3 +193,86 @@ def test_only_the_checkpoint_module_spells_the_checkpoint_layout():
                if "ckpt-" in node.value]
     assert not retyped, "the checkpoint layout typed outside spotring.checkpoint.layout:\n" + \
         "\n".join(retyped)
+
+
+# Folders that hold no module of the checkout's own: environments, caches, node packages,
+# what runs leave, and the data. Hidden ones (.venv, .git) too.
+NOT_CODE = {"node_modules", "__pycache__", "runs", "outputs", "build", "gpu-bundle", "data"}
+
+
+def python_files(root: Path) -> Iterator[Path]:
+    """The checkout's Python: every .py file, and the scripts that start with a Python
+    shebang (tools/suite-profile), outside NOT_CODE and hidden folders."""
+    for folder, folders, files in os.walk(root):
+        folders[:] = sorted(f for f in folders if f not in NOT_CODE and not f.startswith(".")
+                            and not f.endswith(".egg-info"))
+        for file in sorted(files):
+            path = Path(folder, file)
+            if file.endswith(".py") or (os.access(path, os.X_OK) and "." not in file
+                                        and _shebang(path).startswith(b"#!")
+                                        and b"python" in _shebang(path)):
+                yield path
+
+
+def _shebang(path: Path) -> bytes:
+    with path.open("rb") as f:
+        return f.readline(200)
+
+
+def module_name(path: Path, root: Path) -> str:
+    return ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+
+
+def imports_of_tests(paths: Iterable[Path], root: Path) -> list[str]:
+    """Every import that breaks the tests apart, as PATH:LINE and why: of tests (its
+    conftest included) by a module outside tests/, or of a test file by another module
+    of tests/."""
+    tests = {module_name(p, root): p for p in (root / "tests").glob("*.py")}
+    wrong = []
+    for path in paths:
+        inside = path.parent == root / "tests"
+        imports = imported_by(module_name(path, root), path, tests)
+        for line, imported in sorted((line, i) for i, line in imports.items()):
+            where = f"{path.relative_to(root)}:{line}: imports {imported}"
+            if not inside:
+                wrong.append(f"{where}, but no module outside tests/ imports tests: what "
+                             "tests/ shares with it goes in harness/")
+            elif imported.startswith("tests.test_"):
+                wrong.append(f"{where}, another test file: what two test files share goes "
+                             "in harness/")
+    return wrong
+
+
+def test_no_module_outside_tests_imports_them_and_no_test_file_imports_another():
+    files = list(python_files(REPO))
+    assert REPO / "harness" / "ranks.py" in files and REPO / "tools" / "suite-profile" in files
+    wrong = imports_of_tests(files, REPO)
+    assert not wrong, "imports of tests:\n" + "\n".join(wrong)
+
+
+def test_an_import_of_tests_from_outside_or_of_another_test_file_is_named_with_its_line(
+        tmp_path):
+    sources = {
+        "tests/__init__.py": "",
+        "tests/conftest.py": "from harness import REPO\npytest_plugins = ['harness.stores']\n",
+        "tests/test_a.py": "import os\nfrom tests.conftest import REPO\n"
+                           "from tests.test_b import helper\n",
+        "tests/test_b.py": "def helper():\n    from tests import test_a\n",
+        "harness/__init__.py": "",
+        "harness/stores.py": "import pytest\n\nfrom tests.conftest import REPO\n",
+        "benchmarks/results/run/measure.py": "import importlib\n\n"
+                                             "importlib.import_module('tests.test_a')\n",
+        "tools/plugins.py": "pytest_plugins = ['tests.conftest']\n",
+    }
+    for name, text in sources.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    outside = "no module outside tests/ imports tests: what tests/ shares with it goes in harness/"
+    another = "another test file: what two test files share goes in harness/"
+    assert imports_of_tests(python_files(tmp_path), tmp_path) == [
+        f"benchmarks/results/run/measure.py:3: imports tests.test_a, but {outside}",
+        f"harness/stores.py:3: imports tests.conftest, but {outside}",
+        f"tests/test_a.py:3: imports tests.test_b, {another}",
+        f"tests/test_b.py:2: imports tests.test_a, {another}",
+        f"tools/plugins.py:1: imports tests.conftest, but {outside}",
+    ]

@@ -1,6 +1,6 @@
 """Every cloud's spot notice, and how often the ranks vote on a stop.
 
-The metadata services are the loopback stubs of tests/imds.py, each answering as its
+The metadata services are the loopback stubs of harness/imds.py, each answering as its
 cloud documents; every other cloud's service is pointed at a closed port, so that the
 cloud found is the stub's whatever machine the tests run on (a CI runner on Azure has a
 real Azure service at 169.254.169.254). Each cloud's notice stopping the ranks of a job
@@ -23,12 +23,12 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 import spotring
+from harness.imds import STUBS, AzureStub, GCPStub, MetadataStub, pointed_at
+from harness.watcher import OneRank, next_decision
 from spotring import metadata
 from spotring.launch.commands import local_environment
 from spotring.polling import poll
 from spotring.preemption import NOTICE_SECONDS, Decision, Preemption, vote_interval
-from tests.imds import STUBS, AzureStub, GCPStub, MetadataStub, pointed_at
-from tests.test_spot import OneRank, next_decision
 
 WINDOWS = {"ec2": 120, "gcp": 30, "azure": 30}  # each cloud's documented notice
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.installed import checkout_wheel, spotring_venv
 from tests.conftest import QUICK, REPO
-from tests.installed import checkout_wheel, spotring_venv
 
 pytestmark = pytest.mark.slow(cores=1)
 

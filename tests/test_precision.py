@@ -2,7 +2,7 @@
 
 Each option trains 2 workers x batch 32 under torchrun, and the weights are compared with
 1 worker x batch 64 at the same step, as a ratio: ||two - one|| / ||one - initial||,
-the difference relative to how far the weights moved (tests/test_horovod.py's
+the difference relative to how far the weights moved (harness/weights.py's
 distance_ratios).
 
 Tolerances. channels_last and compile run in train.dtype=float64, as the equality
@@ -33,7 +33,10 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from spotring import DDPOptions, HorovodOptions, Job, engines, init, runtime
+from harness.commands import call
+from harness.scaler import scaler_steps
+from harness.weights import distance_ratios
+from spotring import DDPOptions, Job, engines, init, runtime
 from spotring.checkpoint.layout import Checkpoint, Checkpoints
 from spotring.checkpoint.parts import load_whole
 from spotring.cli import main
@@ -42,14 +45,12 @@ from spotring.trainer import datasets
 from spotring.trainer.loop import Trainer
 from spotring.trainer.models import build_model
 from spotring.trainer.validation import validate
-from tests.commands import call
 from tests.conftest import PARITY, REPO, Run, compose_config, run_trainer
-from tests.test_horovod import distance_ratios
 
 # PARITY: real MNIST, 20 steps, seed 11, a checkpoint after every step, float64, NCHW.
 F64 = PARITY
 BF16 = [o for o in F64 if o != "train.dtype=float64"] + ["train.precision=bf16"]
-TWO = {"launcher": "spawned", "nproc": 2}  # tests/ranks.py: no launcher is tested here
+TWO = {"launcher": "spawned", "nproc": 2}  # harness/ranks.py: no launcher is tested here
 
 
 def ratio(run: Run, reference: Run, step: int | None = None) -> float:
@@ -151,46 +152,6 @@ def test_a_bf16_run_resumes_compiled_with_channels_last(train, bf16_two):
 
 # ------------------------------------------------------------------ fp16's scaler
 
-def scaler_steps(engine: engines.Engine) -> dict[str, float]:
-    """Two steps of a tiny model through engine.step with an enabled GradScaler at scale
-    2^10 (on the CPU, which validate refuses for runs, so that the path is exercised
-    without a GPU): a finite one, which must equal the unscaled step exactly (a power of
-    two scales float32 exactly), and one whose gradients are not finite (an inf in the
-    batch): skipped, and the scale halved."""
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    reference = nn.Linear(4, 2)
-    reference.load_state_dict(model.state_dict())
-    x, y = torch.randn(8, 4), torch.tensor([0, 1] * 4)
-    model, optimizer = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5), 1)
-    plain = torch.optim.SGD(reference.parameters(), lr=0.5)
-    nn.functional.cross_entropy(reference(x), y).backward()
-    plain.step()
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    result = {}
-    for name, batch in [("finite", x), ("overflow", x.index_fill(1, torch.tensor([0]), torch.inf))]:
-        before = [p.detach().clone() for p in model.parameters()]
-        scaler.scale(nn.functional.cross_entropy(model(batch), y)).backward()
-        engine.step(optimizer, scaler)
-        optimizer.zero_grad()
-        result[f"{name}_scale"] = scaler.get_scale()
-        result[f"{name}_moved"] = any(not torch.equal(a, b)
-                                      for a, b in zip(before, model.parameters(), strict=True))
-        if name == "finite":
-            result["finite_exact"] = all(
-                torch.equal(a, b)
-                for a, b in zip(model.parameters(), reference.parameters(), strict=True))
-    return result
-
-
-def horovod_scaler_steps() -> None:
-    """scaler_steps through Horovod's DistributedOptimizer, one rank; prints JSON."""
-    launch = runtime.detect()
-    engine = engines.create(HorovodOptions(), launch, torch.device("cpu"))
-    print(json.dumps(scaler_steps(engine)))
-    engine.shutdown()
-
-
 def check_scaler_steps(result: dict) -> None:
     assert result["finite_exact"] and result["finite_moved"]
     assert result["finite_scale"] == 2.0**10  # no overflow: unchanged (growth after 2000)
@@ -208,8 +169,7 @@ def test_fp16_scaler_follows_horovods_synchronize_pattern():
     # In a process of its own: Horovod's threads stay out of pytest's. Warnings are
     # errors, so Horovod's "step() called without skip_synchronize()" would fail it.
     proc = subprocess.run(
-        [sys.executable, "-W", "error::UserWarning", "-c",
-         "from tests.test_precision import horovod_scaler_steps; horovod_scaler_steps()"],
+        [sys.executable, "-W", "error::UserWarning", "-m", "harness.scaler"],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_scaler_steps(json.loads(proc.stdout.strip().splitlines()[-1]))

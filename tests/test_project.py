@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.installed import spotring_venv
 from spotring.exits import ConfigError
 from spotring.launch import project, wheel
-from tests.installed import spotring_venv
 
 PYTHON_TRAIN = ["python", "train.py", "--steps", "3"]
 

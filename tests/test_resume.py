@@ -3,15 +3,15 @@ SIGTERM, a rank killed, a rank killed while checkpoint parts are written, a dama
 part) resumes on any world size under any engine and ends with the samples and weights
 of one uninterrupted run; a lost or hung rank ends the others with 69, naming it.
 
-The ranks are spawned by the test (tests/ranks.py: forked from a server that imported
-torch once, torchrun's environment, no agent) and run tests/workloads.py's residual(),
+The ranks are spawned by the test (harness/ranks.py: forked from a server that imported
+torch once, torchrun's environment, no agent) and run harness/workloads.py's residual(),
 a user's float64 script on spotring's API, so a resumed run's per-step loss and final
 weights are compared with the uninterrupted run's to 1e-10. The launchers' part (what
 torchrun, mpirun, horovodrun, srun and spotring's launchers do with these exits) is
 tests/test_launch_hostfile.py's, test_exits.py's and the launch tests'; the trainer's,
 tests/test_trainer_contract.py's and test_spot.py's. The metadata services are
-tests/imds.py's loopback stubs; the stores (S3, GCS, Azure Blob) are tests/stores.py's
-emulators speaking HTTP, S3 behind tests/faults.py's proxy where a test holds the
+harness/imds.py's loopback stubs; the stores (S3, GCS, Azure Blob) are harness/stores.py's
+emulators speaking HTTP, S3 behind harness/faults.py's proxy where a test holds the
 uploads.
 """
 
@@ -28,16 +28,16 @@ import uuid
 
 import pytest
 
+from harness import ranks, workloads
+from harness.faults import FaultProxy
+from harness.imds import STUBS, pointed_at
+from harness.ranks import Ranks
 from spotring.checkpoint.layout import Checkpoints, files_of, folder_name, manifest_name, manifests
 from spotring.exits import EXIT_PEER_LOST, EXIT_PREEMPTED
-from tests import ranks, workloads
 from tests.conftest import assert_close
-from tests.faults import FaultProxy
-from tests.imds import STUBS, pointed_at
-from tests.ranks import Ranks
 
 STEPS, HALF = 16, 8
-# The stores a checkpoint.uri may name, by scheme: tests/stores.py's emulator fixtures.
+# The stores a checkpoint.uri may name, by scheme: harness/stores.py's emulator fixtures.
 EMULATORS = {"s3": "moto_s3", "gs": "gcs_emulator", "az": "azurite"}
 TIMEOUT_S = 6  # engine.timeout_s where a rank hangs
 
@@ -254,7 +254,7 @@ def listed_only(store) -> None:
 def uri(request, monkeypatch) -> str | None:
     """Where checkpoints also go, as ``request.param`` names the store: None (the
     checkpoint directory alone), or a fresh prefix in the moto S3, GCS emulator or
-    Azurite of tests/stores.py, whose environment is set here (and so in the ranks)."""
+    Azurite of harness/stores.py, whose environment is set here (and so in the ranks)."""
     if request.param == "disk":
         return None
     emulator = request.getfixturevalue(EMULATORS[request.param])

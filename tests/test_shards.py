@@ -16,8 +16,8 @@ world size (issue 46, docs/streaming.md).
 - the trainer's dataset=shards, and the summary's and the ledger's reads per rank.
 
 The stores are real: a directory, and the moto server (tests/conftest.py's ``s3``),
-behind a relay that cuts answers midway where a test asks for that (tests/shard_faults.py).
-Ranks are spawned by the test (tests/ranks.py) and run tests/shard_workload.py.
+behind a relay that cuts answers midway where a test asks for that (harness/shard_faults.py).
+Ranks are spawned by the test (harness/ranks.py) and run harness/shard_workload.py.
 """
 
 from __future__ import annotations
@@ -32,16 +32,16 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from harness import ranks, shard_workload, workloads
+from harness.ranks import Ranks
+from harness.shard_faults import CuttingRelay
 from spotring.exits import EXIT_CONFIG, EXIT_PEER_LOST, EXIT_PREEMPTED, ConfigError
 from spotring.launch import ledger
 from spotring.launch.rundir import RunDir
 from spotring.loader import DataLoader
 from spotring.shards import ImageAndLabel, ShardError, Shards, write
 from spotring.stores import open_store
-from tests import ranks, shard_workload, workloads
 from tests.conftest import assert_close, run_trainer
-from tests.ranks import Ranks
-from tests.shard_faults import CuttingRelay
 
 STEPS = 2 * shard_workload.STEPS_PER_EPOCH
 

@@ -1,5 +1,5 @@
 """SLURM for real (issue 26): a controller, munge and a slurmd in each of 2 network
-namespaces (tests/slurm.py), srun across them, and the jobs of `spotring sbatch`, the
+namespaces (harness/slurm.py), srun across them, and the jobs of `spotring sbatch`, the
 trainer's and a user's own command's (issue 34), preempted, requeued and resumed.
 
 One job of the trainer (``requeued``) meets the stops a SLURM job meets, one after
@@ -27,6 +27,12 @@ from typing import TypeVar
 import pytest
 import torch
 
+from harness import examples, slurm, user_script
+from harness.commands import call
+from harness.cores import cores
+from harness.schedule import Schedule
+from harness.stores import environment
+from harness.sweeps import load, rows, run_sweep, trial_dir
 from spotring.checkpoint.layout import Checkpoints, folder_name, manifest_name
 from spotring.contract import RUN_DIR
 from spotring.exits import EXIT_CONFIG
@@ -34,14 +40,7 @@ from spotring.launch import slurm as sbatch
 from spotring.launch.commands import local_environment
 from spotring.polling import poll
 from spotring.stores import open_store
-from tests import slurm, user_script
-from tests import test_examples as examples
-from tests.commands import call
 from tests.conftest import PARITY, QUICK, REPO, Run, assert_close
-from tests.cores import cores
-from tests.schedule import Schedule
-from tests.stores import environment
-from tests.sweeps import load, rows, run_sweep, trial_dir
 
 T = TypeVar("T")
 
@@ -79,7 +78,7 @@ def test_a_users_script_under_srun_across_two_nodes_takes_one_workers_steps(
 
 
 # What a task may ask of the test nodes: 2 CPUs and SLURM's default 1 MB of memory each
-# (tests/slurm.py), where the defaults ask for 4 CPUs and 16G.
+# (harness/slurm.py), where the defaults ask for 4 CPUs and 16G.
 SMALL = ("cpus_per_task=1", "mem_per_task=1M")
 
 
@@ -292,7 +291,7 @@ def test_srun_starts_one_rank_in_each_nodes_namespace(requeued, cluster):
             cluster.dir / f"{node.name}.log").read_text(), cluster.logs()
 
 
-# A user's own script (tests/user_script.py), long enough for a signal to land mid-run:
+# A user's own script (harness/user_script.py), long enough for a signal to land mid-run:
 # 30 steps of a global batch of 2, within the first epoch of its 64 samples (a stop
 # never falls on an epoch's end).
 STEPS = ("--steps", "30", "--batch", "2", "--save-every", "4")

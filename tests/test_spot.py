@@ -1,6 +1,6 @@
 """Spot-proof training: interruption notices, checkpoints on S3, resuming anywhere.
 
-The instance metadata service is a loopback stub (tests/imds.py): nothing real serves
+The instance metadata service is a loopback stub (harness/imds.py): nothing real serves
 it off EC2. S3 is a real moto server on 127.0.0.1 speaking HTTP.
 """
 
@@ -21,6 +21,8 @@ import pytest
 import torch
 
 import spotring
+from harness.imds import MetadataStub
+from harness.watcher import OneRank, next_decision
 from spotring.checkpoint.layout import (
     EXTRAS,
     Checkpoint,
@@ -40,7 +42,6 @@ from spotring.options import PreemptionOptions
 from spotring.preemption import NOTICE_SECONDS
 from spotring.stores import PART_BYTES
 from tests.conftest import QUICK, REPO, Run, assert_close, run_trainer
-from tests.imds import MetadataStub
 
 # Synthetic MNIST-sized samples, 2 workers x 32: long enough that the run is still going
 # when the notice comes, whenever that is; the resumed run and the reference stop a few
@@ -245,29 +246,6 @@ def test_an_unreachable_bucket_exits_2_at_init_before_anything(tmp_path, s3, cap
     assert "error: checkpoint.uri=s3://no-such-bucket/x: cannot reach bucket no-such-bucket" \
         in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
-
-
-class OneRank:
-    """The engine of a job of one rank, where the vote's sum is the rank's own vote."""
-
-    device = torch.device("cpu")
-    world_size = 1
-
-    def start_sum(self, tensor, name):
-        return lambda: tensor
-
-
-def next_decision(watcher, timeout=10.0):
-    """The first decision other than "go on", polled as the loop does at each step."""
-    from spotring.preemption import Decision
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        decision = watcher.decide()
-        if decision != Decision(None, False):
-            return decision
-        time.sleep(0.02)
-    raise AssertionError(f"no decision within {timeout} s")
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["TERM", "USR1"])

@@ -1,6 +1,6 @@
 """The stores' contract (spotring/stores/), proven on each of the four: a directory, S3
 on moto, Azure Blob on Azurite and GCS on gcp-storage-emulator, every emulator a real
-server speaking HTTP on 127.0.0.1 (tests/stores.py), reached by the clouds' own client
+server speaking HTTP on 127.0.0.1 (harness/stores.py), reached by the clouds' own client
 libraries through their standard settings.
 
 What checkpoints and streamed datasets rely on: objects listed with their sizes (all
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import pytest
 
+from harness.slurm import free_port
+from harness.stores import Emulator, Relay, azurite_env
 from spotring.exits import ConfigError
 from spotring.polling import poll
 from spotring.stores import DirectoryStore, S3Store, Store, open_store, uri_problem
-from tests.slurm import free_port
-from tests.stores import Emulator, Relay, azurite_env
 
 REPO = Path(__file__).resolve().parents[1]
 EMULATORS = {"s3": "moto_s3", "az": "azurite", "gs": "gcs_emulator"}

@@ -6,7 +6,7 @@ Two sweeps, each run once and read by several tests:
 
     trainer_sweep   the built-in trainer's study of two objectives on MNIST: a grid of
                     2 learning rates (one diverges at once) x 2 widths
-    script_sweep    a user's own script (tests/user_script.py) from its project
+    script_sweep    a user's own script (harness/user_script.py) from its project
                     directory, its study kept in GCS (its emulator), through a schedule
                     of faults: one trial's processes killed at its first checkpoint, then
                     the sweep itself killed while trials run, the same command again to
@@ -27,22 +27,11 @@ from pathlib import Path
 import pytest
 from optuna.trial import TrialState
 
-from spotring.checkpoint.layout import manifests
-from spotring.contract import CHECKPOINT_URI, RESTART, RUN_DIR, RUN_ID
-from spotring.exits import EXIT_CONFIG
-from spotring.launch.commands import local_environment
-from spotring.polling import poll
-from spotring.stores import open_store
-from spotring.sweep import config as sweep_config
-from spotring.sweep.__main__ import main as sweep_main
-from spotring.sweep.report import pareto_front
-from spotring.sweep.runner import PARAMS, Runner
-from spotring.sweep.study import Study
-from tests import stores
-from tests.commands import call
-from tests.cores import cores
-from tests.schedule import Schedule
-from tests.sweeps import (
+from harness import stores
+from harness.commands import call
+from harness.cores import cores
+from harness.schedule import Schedule
+from harness.sweeps import (
     attempts,
     command_line,
     environment,
@@ -56,7 +45,18 @@ from tests.sweeps import (
     trial_pids,
     trials,
 )
-from tests.user_script import reference, write_project
+from harness.user_script import reference, write_project
+from spotring.checkpoint.layout import manifests
+from spotring.contract import CHECKPOINT_URI, RESTART, RUN_DIR, RUN_ID
+from spotring.exits import EXIT_CONFIG
+from spotring.launch.commands import local_environment
+from spotring.polling import poll
+from spotring.stores import open_store
+from spotring.sweep import config as sweep_config
+from spotring.sweep.__main__ import main as sweep_main
+from spotring.sweep.report import pareto_front
+from spotring.sweep.runner import PARAMS, Runner
+from spotring.sweep.study import Study
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CORES = len(os.sched_getaffinity(0))

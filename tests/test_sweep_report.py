@@ -10,10 +10,10 @@ import sys
 import numpy as np
 import pytest
 
+from harness.reports import PNG_SIGNATURE
+from harness.sweeps import number, trials_table
 from spotring.sweep import report
 from spotring.sweep.report import TrialRow, pareto_front
-from tests.sweeps import number, trials_table
-from tests.test_bench_report import PNG_SIGNATURE
 
 # ------------------------------------------------------------------------- Pareto front
 

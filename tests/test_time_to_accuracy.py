@@ -14,6 +14,8 @@ import time
 import pytest
 import torch
 
+from harness.reports import REFERENCE as REFERENCE_RUN
+from harness.reports import check_plots, check_report, render, sections
 from spotring.benchmarks import reference_loop, suite
 from spotring.benchmarks.time_to_accuracy import (
     REFERENCE,
@@ -24,8 +26,6 @@ from spotring.benchmarks.time_to_accuracy import (
     trainer_steps,
 )
 from tests.conftest import compose_config
-from tests.test_bench_report import REFERENCE as REFERENCE_RUN
-from tests.test_bench_report import check_plots, check_report, render, sections
 
 TARGET = 0.99
 # (configuration, seed): the curve [step, training seconds, accuracy] of a hand-made run.

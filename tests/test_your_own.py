@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from harness.commands import call
 from spotring import runtime
 from spotring.exits import ConfigError
 from spotring.trainer.__main__ import main as train
@@ -19,7 +20,6 @@ from spotring.trainer.data import Batches, LoaderBatches
 from spotring.trainer.datasets import Dataset, MapDataset, Split
 from spotring.trainer.models import build_model
 from spotring.trainer.validation import validate
-from tests.commands import call
 from tests.conftest import QUICK, assert_close, compose_config, run_trainer
 
 # Written into tmp_path and put on PYTHONPATH: what a user's package would hold.
@@ -122,7 +122,7 @@ def test_your_own_model_and_data_train_and_the_summary_names_them(own, tmp_path)
      "[2, 5, 5], a str ('cat')); expected (image, label): a float tensor C x H x W and an int"),
 ])
 def test_a_bad_target_exits_2_naming_it_before_anything_starts(builders, overrides, says):
-    run_dir = builders / "run"  # the trainer in this process (tests/commands.py)
+    run_dir = builders / "run"  # the trainer in this process (harness/commands.py)
     done = call(train, f"hydra.run.dir={run_dir}", *QUICK, *SMALL,
                 f"data.root={builders / 'data'}", *overrides)
     assert done.code == 2 and says in done.err, done.err

@@ -4,11 +4,11 @@ uploaded and the manifest published, as spotring logs them.
 
     .venv/bin/python benchmarks/results/checkpoint-stores/measure.py [GB] [REPEATS]
 
-Two ranks (tests/ranks.py: spawned here, torchrun's environment), engine=ddp, a model of
+Two ranks (harness/ranks.py: spawned here, torchrun's environment), engine=ddp, a model of
 float32 Linear layers of GB gigabytes (10^9 bytes) in all, no optimizer: DCP spreads the
 layers so that each rank writes about half. One blocking save per repeat (default 3),
 the first of a run excluded as warm-up, to the checkpoint directory alone and with
-checkpoint.uri on moto (S3), the GCS emulator and Azurite (tests/stores.py). These are
+checkpoint.uri on moto (S3), the GCS emulator and Azurite (harness/stores.py). These are
 emulators on a shared 2-core VM, not clouds: what they say is that every store's path
 works at this size, and how the clients and emulators compare here, side by side in one
 run. Prints a row per store and writes results.json beside this file.
@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tests import ranks  # noqa: E402
-from tests.stores import (  # noqa: E402
+from harness import ranks  # noqa: E402
+from harness.stores import (  # noqa: E402
     environment,
     running_azurite,
     running_gcs_emulator,

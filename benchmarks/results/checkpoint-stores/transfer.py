@@ -1,5 +1,5 @@
 """Seconds and MB/s of an upload in parts, and of a download by ranged reads, through
-each store (spotring/stores/) to its emulator on 127.0.0.1 (tests/stores.py): the
+each store (spotring/stores/) to its emulator on 127.0.0.1 (harness/stores.py): the
 emulators' and the clients' speed on this machine, not the clouds'.
 
     .venv/bin/python benchmarks/results/checkpoint-stores/transfer.py [--mb 1024] \
@@ -23,9 +23,9 @@ from pathlib import Path
 
 from spotring.stores import PART_BYTES, open_store
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the checkout, for tests/
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the checkout, for harness/
 
-from tests.stores import (  # noqa: E402
+from harness.stores import (  # noqa: E402
     environment,
     running_azurite,
     running_gcs_emulator,

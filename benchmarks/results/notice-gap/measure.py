@@ -1,9 +1,9 @@
 """How long a spot notice takes to stop a job, per cloud, against the loopback stubs of
-tests/imds.py, and what watching for one costs:
+harness/imds.py, and what watching for one costs:
 
     .venv/bin/python benchmarks/results/notice-gap/measure.py [REPEATS] [CPU_SECONDS]
 
-The gap: 2 ranks of tests/workloads.py's residual (tests/ranks.py; steps of about 10 ms,
+The gap: 2 ranks of harness/workloads.py's residual (harness/ranks.py; steps of about 10 ms,
 the ranks voting at spotring's automatic interval) with one cloud's stub the only
 service that answers, PreemptionOptions' defaults; once rank 0 watches it, the notice is
 announced at a random moment of a poll interval. Each run gives the seconds from the
@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 import spotring  # noqa: E402
 from spotring.preemption import Preemption  # noqa: E402
-from tests import workloads  # noqa: E402
-from tests.imds import STUBS, GCPStub, pointed_at  # noqa: E402
-from tests.ranks import Ranks  # noqa: E402
-from tests.test_spot import OneRank  # noqa: E402
+from harness import workloads  # noqa: E402
+from harness.imds import STUBS, GCPStub, pointed_at  # noqa: E402
+from harness.ranks import Ranks  # noqa: E402
+from harness.watcher import OneRank  # noqa: E402
 
 POLL_SECONDS = spotring.PreemptionOptions().poll_seconds
 AGREED = "spotring: the ranks agreed to stop"

@@ -4,8 +4,8 @@
     .venv/bin/python benchmarks/results/recovery-local/measure.py [REPEATS]
 
 For cluster.copy_env=true (the default: the replacement gets a copy of node 0's .venv)
-and false (it builds its own), alternately: the launch of tests/test_launch_command.py
-(2 nodes, tests/user_script.py's train.py, a spot notice for node 1 once it trains).
+and false (it builds its own), alternately: harness/local_launch.py's launch_with_a_notice
+(2 nodes, harness/user_script.py's train.py, a spot notice for node 1 once it trains).
 Prints, per launch, each node's environment setup and the seconds from the notice to
 the first train record of the resumed job; writes results.json beside this file.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tests.installed import spotring_venv  # noqa: E402
-from tests.test_launch_command import launch_with_a_notice, project  # noqa: E402
+from harness.installed import spotring_venv  # noqa: E402
+from harness.local_launch import launch_with_a_notice, project  # noqa: E402
 
 
 def main(repeats: int) -> None:

@@ -1,10 +1,10 @@
 """The object stores' emulators, started by the project's own files on free ports, each
 waited for until it answers HTTP and stopped at the end:
 
-    moto                  S3 (tests/aws.py's start_moto), the test extra's moto[server]:
+    moto                  S3 (harness/aws.py's start_moto), the test extra's moto[server]:
                           AWS_ENDPOINT_URL
     Azurite               Azure Blob, Microsoft's emulator from npm, which `make install`
-                          puts in tests/azurite/node_modules (pinned by its
+                          puts in harness/azurite/node_modules (pinned by its
                           package-lock.json): AZURE_STORAGE_CONNECTION_STRING with the
                           well-known account devstoreaccount1
     gcp-storage-emulator  GCS, from PyPI (the test extra): STORAGE_EMULATOR_HOST, with
@@ -17,7 +17,7 @@ address, so that the nodes of a local cluster or SLURM (network namespaces) reac
 the bridge's address: ``env((bridge, emulator.address[1]))``. Nothing is set in this
 process's environment: a test sets what it needs (monkeypatch) or hands it to a process
 it starts. Every test sees these fixtures once tests/conftest.py says
-pytest_plugins = ["tests.stores"].
+pytest_plugins = ["harness.stores"].
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from pathlib import Path
 
 import pytest
 
+from harness import REPO
+from harness.slurm import free_port
 from spotring.polling import poll
-from tests.slurm import free_port
 
-REPO = Path(__file__).resolve().parents[1]
-AZURITE = REPO / "tests/azurite/node_modules/.bin/azurite-blob"
+AZURITE = REPO / "harness/azurite/node_modules/.bin/azurite-blob"
 GCS_EMULATOR = Path(sys.executable).with_name("gcp-storage-emulator")
 # Azurite's one account, and its key, which Microsoft publishes for the emulator.
 AZURITE_ACCOUNT = "devstoreaccount1"
@@ -107,7 +107,7 @@ def running(command: list[str], url: str, log: Path, what: str) -> Iterator[None
 
 
 def s3_env(home: Path) -> Callable[[tuple[str, int]], dict[str, str]]:
-    from tests.aws import aws_env
+    from harness.aws import aws_env
 
     return lambda address: aws_env(f"http://{address[0]}:{address[1]}", home)
 

@@ -137,7 +137,7 @@ def stand_in_ssh(directory: Path) -> Path:
                '"${STAND_IN_SSH_DELAY:-0}"\n',
     }
     for name, body in scripts.items():
-        (directory / name).write_text(f"#!/bin/sh\n# a stand-in: see tests/aws.py\n{body}")
+        (directory / name).write_text(f"#!/bin/sh\n# a stand-in: see harness/aws.py\n{body}")
         (directory / name).chmod(0o755)
     return directory
 

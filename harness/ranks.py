@@ -35,8 +35,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harness.cores import cores
 from spotring.contract import RUN_DIR
-from tests.cores import cores
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 # What every rank needs, imported once in the server that forks them (before it starts:
@@ -45,7 +45,7 @@ _CONTEXT.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed.ch
                                  "spotring.job",
                                  "spotring.engines.ddp", "spotring.engines.fsdp",
                                  "spotring.trainer.__main__", "spotring.trainer.job",
-                                 "tests.workloads"])
+                                 "harness.workloads"])
 
 
 def free_port() -> int:

@@ -1,6 +1,6 @@
 """A relay in front of an HTTP server (the moto server) that cuts answers midway: a store's
 read cut mid-shard, as a dropped connection leaves it, for tests/test_shards.py. It is
-tests/stores.py's Relay (which it never holds) with the answers' direction cut.
+harness/stores.py's Relay (which it never holds) with the answers' direction cut.
 
     relay = CuttingRelay(s3["AWS_ENDPOINT_URL"], after_bytes=4000)
     os.environ["AWS_ENDPOINT_URL"] = relay.endpoint   # the clients made from now on
@@ -17,7 +17,7 @@ import sys
 import threading
 from urllib.parse import urlparse
 
-from tests.stores import Relay
+from harness.stores import Relay
 
 
 class CuttingRelay(Relay):

@@ -1,4 +1,4 @@
-"""A user's training script as a function, for ranks spawned by tests/ranks.py: the
+"""A user's training script as a function, for ranks spawned by harness/ranks.py: the
 library API around a float64 residual network of several blocks (each its own FSDP shard
 under engine=fsdp) with AdamW, on a regression set whose global batch of 12 splits over
 1, 2, 3 and 4 workers, so that any run of it, stopped and resumed anywhere, ends with

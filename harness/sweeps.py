@@ -16,10 +16,10 @@ import optuna
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 
+from harness import REPO
+from harness.reports import sections
 from spotring.contract import RUN_DIR
 from spotring.launch.commands import local_environment
-from tests.conftest import REPO
-from tests.test_bench_report import sections
 
 
 def sweep_command(*args: str) -> list[str]:

@@ -178,7 +178,7 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
 
 
 def _error(code: str, json_protocol: bool) -> tuple[list[tuple[str, str]], bytes]:
-    message = f"injected by tests/faults.py: {code}"
+    message = f"injected by harness/faults.py: {code}"
     if json_protocol:
         return ([("Content-Type", "application/x-amz-json-1.1")],
                 json.dumps({"__type": code, "message": message}).encode())

@@ -28,10 +28,10 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from harness import REPO
+from harness.cores import cores
 from spotring.launch import project
-from tests.cores import cores
 
-REPO = Path(__file__).resolve().parents[1]
 # The wheels built, one folder for each state of the files; shared by pytest-xdist's
 # workers, the sessions that follow, and every user of this module.
 CACHE = Path(tempfile.gettempdir()) / f"spotring-test-wheels-{os.getuid()}"

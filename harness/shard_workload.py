@@ -1,12 +1,12 @@
-"""A user's script on spotring.Shards, as a function for ranks spawned by tests/ranks.py
-(tests/test_shards.py): tests/workloads.py's float64 residual network trained with AdamW
+"""A user's script on spotring.Shards, as a function for ranks spawned by harness/ranks.py
+(tests/test_shards.py): harness/workloads.py's float64 residual network trained with AdamW
 on a regression set kept as WebDataset shards in a store, read through
 ``job.loader(spotring.Shards(uri, decode=...), 12)`` with one loader worker per rank.
 
 Every step, each rank prints the keys of the samples it trained on (``keys STEP RANK
 KEY...``) and rank 0 the loss averaged over the ranks (``step N loss L``); it saves every
 ``save_every`` steps, stops on a notice with exit 75, and rank 0 leaves the model in
-weights.pt of the run directory (tests.workloads.weights reads it).
+weights.pt of the run directory (harness.workloads.weights reads it).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import spotring
-from tests import workloads
+from harness import workloads
 
 GLOBAL_BATCH = 12  # splits over 1, 2, 3 and 4 workers
 SAMPLES, SAMPLES_PER_SHARD, BLOCK_SAMPLES = 384, 50, 8  # 8 shards, the last of 34
@@ -42,7 +42,7 @@ def train(uri: str, cache_dir: str, steps: int, save_every: int = 8,
           hold_at: int | None = None, timeout_s: float | None = None) -> None:
     """Train ``steps`` steps on the shards at ``uri``, caching blocks in ``cache_dir``;
     ``hold_at``: rank 0 waits after printing that step until the test releases the run
-    (tests.workloads.release)."""
+    (harness.workloads.release)."""
     with spotring.init(seed=0, timeout_s=timeout_s) as job:
         shards = spotring.Shards(uri, decode=decode, cache_dir=cache_dir)
         loader = job.loader(shards, GLOBAL_BATCH, num_workers=1)

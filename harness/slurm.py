@@ -24,10 +24,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.launcher import netns_unavailable, processes
 from spotring.launch.local import netns
 from spotring.launch.local.provider import FIRST_HOST
 from spotring.polling import poll
-from tests.launcher import netns_unavailable, processes
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 # What a job of the preemptible partition (low) gets between SIGTERM and SIGKILL when a

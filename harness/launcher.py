@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from harness import REPO
+from harness.imds import MetadataStub
 from spotring.checkpoint.layout import Checkpoints
 from spotring.launch.local import netns
 from spotring.launch.rundir import RunDir
-from tests.conftest import REPO
-from tests.imds import MetadataStub
 
 CLONE_NEWNET = 0x40000000  # setns(2): join a network namespace
 # Horovod (and its horovodrun) is built by `make horovod`, which `make test` runs and

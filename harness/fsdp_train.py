@@ -3,7 +3,7 @@ two blocks trained with AdamW and an LR schedule built before wrap, on a tracked
 spotring.DataLoader, with spotring's micro-steps (accumulation where --batch-size caps the
 share); rank 0 saves the whole final weights and what the run was to OUT.
 
-    python -m tests.fsdp_train OUT [--engine ddp|fsdp] [--shard-size N] [--batch-size B]
+    python -m harness.fsdp_train OUT [--engine ddp|fsdp] [--shard-size N] [--batch-size B]
 
 Every rank starts from weights and buffers of its own (seeded by its rank): wrap must give
 them rank 0's.

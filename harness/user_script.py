@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.cores import cores
+from harness.cores import cores
 
 TRAIN_PY = '''\
 import argparse

@@ -82,7 +82,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gb", type=float, required=True, help="the state's size, 10^9 bytes")
     p.add_argument("--width", type=int, default=WIDTH, help=f"of every block ({WIDTH})")
     p.add_argument("--run-dir", type=Path, required=True, help="spotring.init's run_dir")
-    p.add_argument("--uri", help="checkpoint_uri: s3://bucket/prefix (none: local disk only)")
+    p.add_argument("--uri", help="checkpoint.uri: s3://bucket/prefix (none: local disk only)")
     p.add_argument("--rank0", action="store_true",
                    help="CheckpointOptions(sharded=False): rank 0 alone writes")
     p.add_argument("--steps", type=int, default=0, help="periodic mode: steps to train")

@@ -71,9 +71,11 @@ log = logging.getLogger("launch")
 
 # The overrides each subcommand reads (its one line: launch.STEPS).
 COMMANDS = {
-    "launch": ["nodes", "cluster", "cluster.*", "job.*", "run_id", "runs_dir", "project", "--"],
-    "up": ["nodes", "cluster", "cluster.*", "job.*", "run_id", "runs_dir", "project", "--"],
-    "run": ["run_id", "runs_dir", "job.*", "--"],
+    "launch": ["nodes", "cluster", "cluster.*", "job.*", "checkpoint.uri", "run_id", "runs_dir",
+               "project", "--"],
+    "up": ["nodes", "cluster", "cluster.*", "job.*", "checkpoint.uri", "run_id", "runs_dir",
+           "project", "--"],
+    "run": ["run_id", "runs_dir", "job.*", "checkpoint.uri", "--"],
     "status": ["run_id", "runs_dir"],
     "down": ["run_id", "runs_dir", "cluster", "cluster.region", "project"],
     "cost": ["nodes", "cluster", "cluster.instance_types", "cluster.zones", "cluster.region",
@@ -88,8 +90,9 @@ OVERRIDES = {
     "job.*": ("job.launcher=LAUNCHER", "horovodrun (default), mpirun, torchrun or none\n"
               "job.results=DIR: where your command's rank 0 writes\n"
               "  (default runs/<run id>: $SPOTRING_RUN_DIR)\n"
-              "job.checkpoint_uri=s3://|gs://|az://...: $SPOTRING_CHECKPOINT_URI\n"
               "job.max_project_mb=200: the project's size limit"),
+    "checkpoint.uri": ("checkpoint.uri=URI", "s3://, gs:// or az://bucket/prefix where the\n"
+                       "job's checkpoints also go: $SPOTRING_CHECKPOINT_URI"),
     "run_id": ("run_id=ID", "the run (default: up and launch a new one, the others "
                             "the newest)"),
     "runs_dir": ("runs_dir=DIR", "where run directories are (default runs/launch)"),

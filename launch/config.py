@@ -24,7 +24,7 @@ from omegaconf import II, MISSING, DictConfig, OmegaConf
 from spotring.exits import ConfigError
 from spotring.launch.contract import command_of, split_command
 from spotring.options import one_of
-from spotring.stores import uri_problem
+from spotring.support.checkpoint import CheckpointNode, checkpoint_problems
 from spotring.support.compose import compose_checked
 
 CLUSTERS = ("aws_spot", "local")
@@ -111,9 +111,6 @@ class JobConfig:
     # Where rank 0 of the command writes, relative to the project (default: runs/<run id>,
     # which $SPOTRING_RUN_DIR names and spotring.init writes to): brought back as job/.
     results: str | None = None
-    # s3://, gs:// or az://... where the job's checkpoints also go (its
-    # $SPOTRING_CHECKPOINT_URI); each node reaches it by its cloud's credential chain.
-    checkpoint_uri: str | None = None
     # Variables set for the job's every process on every node (as mpirun -x passes them),
     # +job.env.NAME=VALUE: an emulator's endpoint, a store's credentials where the nodes
     # have none of their own.
@@ -128,6 +125,9 @@ class JobConfig:
 class LaunchConfig:
     cluster: ClusterConfig = MISSING
     job: JobConfig = field(default_factory=JobConfig)
+    # checkpoint.uri: where the job's checkpoints also go (its $SPOTRING_CHECKPOINT_URI);
+    # each node reaches it by its cloud's credential chain.
+    checkpoint: CheckpointNode = field(default_factory=CheckpointNode)
     nodes: int = 1
     run_id: str | None = None  # run, status, down, cost: default the newest run
     runs_dir: str = "runs/launch"
@@ -226,8 +226,7 @@ def validate(cfg: DictConfig) -> None:
          f"job.results={results}: a directory relative to the project, inside it")
     need(cfg.job.max_project_mb > 0,
          f"job.max_project_mb={cfg.job.max_project_mb}: must be positive")
-    if cfg.job.checkpoint_uri is not None:
-        problems += filter(None, [uri_problem(cfg.job.checkpoint_uri, "job.checkpoint_uri")])
+    problems += checkpoint_problems(cfg)
     problems += [f"job.env: {name}: not a variable's name (letters, digits and _, not first a "
                  "digit), e.g. +job.env.STORAGE_EMULATOR_HOST=http://10.0.0.1:9023"
                  for name in cfg.job.env if not re.fullmatch(r"[A-Za-z_]\w*", name)]

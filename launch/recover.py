@@ -25,7 +25,7 @@ same sample sequence with the same steps (docs/design.md). At the start the laun
 on which node counts the job can go on (spotring.cli.check_command). A command resumes
 from its newest checkpoint (the trainer's resume=auto, or a script's job.restore());
 every rank keeps its part of each checkpoint on its node, and if a node is lost only
-job.checkpoint_uri=s3://, gs:// or az://... (the job's SPOTRING_CHECKPOINT_URI) keeps them.
+checkpoint.uri=s3://, gs:// or az://... (the job's SPOTRING_CHECKPOINT_URI) keeps them.
 
 Each try is recorded in state.json ("tries": when it ran, on which nodes, how it ended,
 the step it reached and resumed from, the job's notice and checkpoint times), which
@@ -69,11 +69,11 @@ def supervise(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
     cfg.job.command = pin_command(list(cfg.job.command), _workers(nodes))
     _say_node_counts(cfg, nodes)
     c = cfg.cluster
-    if (c.max_restarts or c.max_preemptions) and not cfg.job.checkpoint_uri:
+    if (c.max_restarts or c.max_preemptions) and not cfg.checkpoint.uri:
         log.info("recover: unless the job keeps its checkpoints elsewhere itself, each "
                  "rank's part stays on its node: should a node be lost, the job starts over. "
-                 "job.checkpoint_uri=s3://, gs:// or az://bucket/prefix keeps them in a "
-                 "store too")
+                 "checkpoint.uri=s3://, gs:// or az://bucket/prefix keeps them in a store "
+                 "too")
     budgets = {MAX_PREEMPTIONS: c.max_preemptions, MAX_RESTARTS: c.max_restarts}
     spent = dict.fromkeys(budgets, 0)
     try:

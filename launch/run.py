@@ -52,7 +52,7 @@ def job_for(cfg: DictConfig, run: RunDir, provider: Provider,
             nodes: list[Node]) -> job_command.JobCommand:
     results = results_of(cfg, run)
     env = {**cfg.job.env, **contract.environment(
-        run.id, f"{provider.workdir}/{results}", len(run.tries()), cfg.job.checkpoint_uri)}
+        run.id, f"{provider.workdir}/{results}", len(run.tries()), cfg.checkpoint.uri)}
     return job_command.build(cfg.job.launcher, nodes, provider.workdir, run.id,
                              list(cfg.job.command), env, results)
 

@@ -10,7 +10,7 @@ batch job that survives preemption.
 After `--`, the job's command, or the trainer's overrides, which make it `spotring train
 OVERRIDES` (launch/contract.py). It writes RUN_DIR/sbatch.sh (run_dir:
 runs/slurm/JOB_NAME, which must be on storage every node shares, or give
-checkpoint_uri=s3://..., gs://... or az://...) and submits it. The script asks SLURM for:
+checkpoint.uri=s3://..., gs://... or az://...) and submits it. The script asks SLURM for:
 
     --cpus-per-task, --mem  cpus_per_task CPUs and mem_per_task memory for every task
                             (--mem: per node, tasks x mem_per_task); srun is given
@@ -83,7 +83,7 @@ from spotring.launch.commands import AS_ROOT, BIN, LAUNCHER_ENV
 from spotring.launch.console import split_dashes
 from spotring.launch.contract import command_of, split_command
 from spotring.options import one_of
-from spotring.stores import uri_problem
+from spotring.support.checkpoint import CheckpointNode, checkpoint_problems
 from spotring.support.compose import compose_checked
 from spotring.support.restarts import CODES, MAX_PREEMPTIONS, MAX_RESTARTS, Launcher
 
@@ -138,7 +138,8 @@ class SbatchConfig:
     # Requeue a stop at the time limit too (max_restarts times at most). Off: the job ends
     # there, as its user asked, and `sbatch RUN_DIR/sbatch.sh` resumes it.
     requeue_at_time_limit: bool = False
-    checkpoint_uri: str | None = None  # s3://, gs://, az://: $SPOTRING_CHECKPOINT_URI
+    # checkpoint.uri=s3://, gs://, az://...: $SPOTRING_CHECKPOINT_URI
+    checkpoint: CheckpointNode = field(default_factory=CheckpointNode)
 
 
 def register() -> None:
@@ -181,7 +182,7 @@ def script(cfg: DictConfig, command: list[str], workdir: Path) -> str:
     if cfg.time:
         lines.append(f"#SBATCH --time={cfg.time}")
     lines += [f"#SBATCH {option}" for option in cfg.options]
-    env = contract.environment(JOB_ID, str(run_dir), RESTART_COUNT, cfg.checkpoint_uri)
+    env = contract.environment(JOB_ID, str(run_dir), RESTART_COUNT, cfg.checkpoint.uri)
     lines += [
         "",
         f"cd {shlex.quote(str(workdir))}",
@@ -294,9 +295,7 @@ def check(cfg: DictConfig, command: list[str], workdir: Path) -> list[str]:
         problems.append(problem)
     if cfg.max_restarts < 0:
         problems.append(f"max_restarts={cfg.max_restarts}: must be 0 or more")
-    if cfg.checkpoint_uri is not None and (problem := uri_problem(cfg.checkpoint_uri,
-                                                                   "checkpoint_uri")):
-        problems.append(problem)
+    problems += checkpoint_problems(cfg)
     if cfg.min_nodes is not None and not 1 <= cfg.min_nodes <= cfg.nodes:
         problems.append(f"min_nodes={cfg.min_nodes}: must be 1 to nodes={cfg.nodes}")
     if cfg.gpus_per_node < 0:
@@ -364,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="nodes=, min_nodes=, gpus_per_node=, tasks_per_node=, "
                              "cpus_per_task=, mem_per_task=, partition=, time=, "
                              "signal=TERM|USR1, signal_s=, job_name=, run_dir=, options=[...], "
-                             "max_restarts=, requeue_at_time_limit=, checkpoint_uri=")
+                             "max_restarts=, requeue_at_time_limit=, checkpoint.uri=")
     try:
         args = parser.parse_args(ours)
     except SystemExit as e:

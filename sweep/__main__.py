@@ -20,6 +20,10 @@ training job on its own slice of this machine or of a cluster (also `python -m s
                                   one trial per node of the newest `spotring up` run
     spotring sweep sweep.slurm=true sweep.parallel=8 sweep.nodes=2
                                   each trial a SLURM job of 2 nodes, 8 queued at a time
+    spotring sweep checkpoint.uri=s3://bucket/prefix ...
+                                  each trial checkpoints under URI/sweeps/NAME/trials/NNN
+                                  and the study goes to URI/sweeps/NAME/: the sweep goes
+                                  on from another machine (the key of every command)
 
 The trainer's sweep is a command's like any other: its trials run `spotring train FIXED
 KEY=VALUE...` (sweep/config.py). Run the same command again to continue a sweep that

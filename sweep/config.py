@@ -47,7 +47,7 @@ from spotring.exits import ConfigError
 from spotring.launch import project
 from spotring.launch.contract import command_of, split_command
 from spotring.options import choices, one_of
-from spotring.stores import uri_problem
+from spotring.support.checkpoint import CheckpointNode, checkpoint_problems
 from spotring.support.compose import compose_checked
 
 SamplerName = choices("SamplerName", "auto grid random tpe nsga2")
@@ -83,9 +83,6 @@ class SweepConfig:
     # $/hour of this machine (or of one cluster node): trials are billed for their wall
     # time and their share, and `dollars` becomes an objective and a report column.
     hourly_price: float | None = None
-    # s3://, gs:// or az://bucket/prefix: each trial checkpoints to URI/sweeps/NAME/trials/NNN (its
-    # SPOTRING_CHECKPOINT_URI) and the study's journal goes to URI/sweeps/NAME/.
-    checkpoint_uri: str | None = None
     # A cluster `spotring up` brought up (its run id, or "latest"): the trials run across
     # its nodes, sweep.nodes each, instead of on this machine.
     cluster: str | None = None
@@ -101,6 +98,10 @@ class SweepConfig:
 @dataclass
 class SweeperConfig:
     sweep: SweepConfig = MISSING
+    # checkpoint.uri=s3://, gs:// or az://bucket/prefix: each trial checkpoints to
+    # URI/sweeps/NAME/trials/NNN (its SPOTRING_CHECKPOINT_URI) and the study's journal
+    # goes to URI/sweeps/NAME/.
+    checkpoint: CheckpointNode = field(default_factory=CheckpointNode)
 
 
 def register() -> None:
@@ -331,15 +332,14 @@ def plan(overrides: list[str], after_dashes: list[str]) -> Plan:
             problems.append(f"{key}={value}: must be 1 or more")
     if sweep.max_retries < 0:
         problems.append(f"sweep.max_retries={sweep.max_retries}: must be 0 or more")
-    if sweep.checkpoint_uri is not None:
-        problems += filter(None, [uri_problem(sweep.checkpoint_uri, "sweep.checkpoint_uri")])
+    problems += checkpoint_problems(cfg)
     if sweep.hourly_price is not None and sweep.hourly_price < 0:
         problems.append(f"sweep.hourly_price={sweep.hourly_price}: must be 0 or more")
     problems += filter(None, [one_of("sweep.launcher", sweep.launcher, LAUNCHERS)])
     if sweep.slurm and sweep.cluster is not None:
         problems.append(f"sweep.slurm=true with sweep.cluster={sweep.cluster}: trials run "
                         "either as SLURM jobs or on a launched cluster; choose one")
-    plan = Plan(cfg, space, command, objectives, sampler, trials, sweep.checkpoint_uri)
+    plan = Plan(cfg, space, command, objectives, sampler, trials, cfg.checkpoint.uri)
     holes = _placeholder_problems(plan)
     problems += holes or _trial_problems(plan)
     if problems:

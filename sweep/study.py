@@ -2,7 +2,7 @@
 
 The study lives in SWEEP_DIR/study.journal, Optuna's journal storage: an append-only
 log of every ask, report and tell, which a crash can cut short but never corrupt, and
-which needs no database server. With sweep.checkpoint_uri (s3://, gs://, az://) it is
+which needs no database server. With checkpoint.uri (s3://, gs://, az://) it is
 also uploaded to URI/sweeps/NAME/study.journal at every start and end of a trial, and
 downloaded from there when the sweep directory is new (a sweep that resumes on another machine).
 """
@@ -28,7 +28,7 @@ class Study:
     def __init__(self, plan: Plan, sweep_dir: Path, remote_uri: str | None) -> None:
         self.plan, self.path = plan, sweep_dir / JOURNAL
         self.remote = open_store(f"{remote_uri.rstrip('/')}/sweeps/{plan.cfg.sweep.name}",
-                                 key="sweep.checkpoint_uri") if remote_uri else None
+                                 key="checkpoint.uri") if remote_uri else None
         if self.remote is not None and not self.path.exists() and JOURNAL in self.remote.names():
             self.path.write_bytes(self.remote.read(JOURNAL))
             log.info("sweep: the study from %s", self.remote.location(JOURNAL))

@@ -299,7 +299,7 @@ def brought_up(venv, tmp_path_factory, gcs_emulator) -> BroughtUp:
                 bridge = ipaddress.ip_interface(f"{up.run.nodes()[0].address}/24").network[1]
                 endpoint = gcs_emulator.env((str(bridge), gcs_emulator.address[1]))
                 spot("torchrun", "run", f"runs_dir={runs}", "job.launcher=torchrun",
-                     "job.results=runs/torchrun", f"job.checkpoint_uri={GS_URI}",
+                     "job.results=runs/torchrun", f"checkpoint.uri={GS_URI}",
                      *(f"+job.env.{k}={v}" for k, v in endpoint.items()),
                      "--", "python", "train.py", *STEPS)
                 up.summaries["torchrun"] = json.loads((up.run.job / "summary.json").read_text())
@@ -340,8 +340,8 @@ def test_a_launcher_runs_the_command_on_the_nodes_up_brought_up(brought_up, alon
 
 @pytest.mark.slow
 @pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
-def test_job_checkpoint_uri_takes_every_ranks_part_to_the_store(brought_up, gcs_emulator,
-                                                                tmp_path):
+def test_checkpoint_uri_takes_every_ranks_part_to_the_store(brought_up, gcs_emulator,
+                                                            tmp_path):
     """The run under torchrun checkpointed every 4 of its 30 steps to GCS: the newest
     there is whole (every part checked against its manifest), with each node's rank's
     part."""

@@ -12,6 +12,7 @@ from harness.commands import python_m
 from spotring.exits import ConfigError
 from spotring.launch import config
 from spotring.launch.__main__ import main
+from spotring.launch.rundir import RunDir
 from tests.conftest import REPO
 
 
@@ -58,8 +59,8 @@ def problems(*overrides: str) -> str:
     (["cluster.ssh_cidr='2001:db8::/32'"], "cluster.ssh_cidr=2001:db8::/32: the security group "
                                            "takes an IPv4 range"),
     (["cluster.ssh_cidr=0.0.0.0/1"], "cluster.ssh_cidr=0.0.0.0/1: would open SSH to a"),
-    (["job.checkpoint_uri=my-bucket/runs"], "job.checkpoint_uri=my-bucket/runs: expected "
-                                            "s3://bucket/prefix, gs://bucket/prefix"),
+    (["checkpoint.uri=my-bucket/runs"], "checkpoint.uri=my-bucket/runs: expected "
+                                        "s3://bucket/prefix, gs://bucket/prefix"),
     (["+job.env.MY-TOKEN=x"], "job.env: MY-TOKEN: not a variable's name"),
 ])
 def test_bad_input_is_named_with_what_is_valid(overrides, message):
@@ -80,6 +81,30 @@ def test_the_trainers_bad_overrides_stop_the_launch_before_anything(tmp_path, ca
     err = capsys.readouterr().err
     assert code == 2 and named in err and err.startswith("spotring launch: error:"), err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["launch", "up", "run"])
+@pytest.mark.parametrize("words, named", [
+    # The s3:// forgotten: each rank's checkpoints would go to ./my-bucket/runs on its node.
+    (["checkpoint.uri=my-bucket/runs"],
+     "checkpoint.uri=my-bucket/runs: expected s3://bucket/prefix, gs://bucket/prefix, "
+     "az://container/prefix or file:///path"),
+    # The keys of before: unknown, as any other (no alias takes them silently).
+    (["job.checkpoint_uri=s3://my-bucket/runs"], "Could not override 'job.checkpoint_uri'"),
+])
+def test_a_checkpoint_uri_without_a_scheme_exits_2_before_anything(tmp_path, capsys, command,
+                                                                   words, named):
+    """checkpoint.uri, the key of every spotring command, checked as the library checks
+    it (spotring.stores.uri_problem) before any node or run directory exists."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    if command == "run":  # on the nodes of a run `up` brought up: its config, no node
+        RunDir(runs / "up").create(config.compose(["cluster=local"]))
+    before = sorted(runs.rglob("*"))
+    code = main([command, "cluster=local", f"runs_dir={runs}", *words, "--", "python", "t.py"])
+    err = capsys.readouterr().err
+    assert code == 2 and named in err and err.startswith(f"spotring {command}: error:"), err
+    assert sorted(runs.rglob("*")) == before
 
 
 def test_every_problem_at_once():

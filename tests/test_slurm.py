@@ -308,7 +308,7 @@ def test_a_users_command_is_requeued_after_sigterm_and_ends_with_one_workers_wei
     uri = azurite.uri("sbatch-users-command")
     # A time limit far off: the script reads the job's end and must not take this stop
     # for the time limit's.
-    job = Job(cluster, tmp_path / "job", ("nodes=2", "time=10", f"checkpoint_uri={uri}"),
+    job = Job(cluster, tmp_path / "job", ("nodes=2", "time=10", f"checkpoint.uri={uri}"),
               ("python", "train.py", *STEPS, "--sleep", "0.1"), root,
               azurite.env((cluster.controller_addr, azurite.address[1])))
     try:
@@ -339,7 +339,7 @@ def test_the_dry_run_asks_for_cpus_and_memory_and_states_the_most_node_time(
         tmp_path, monkeypatch):
     monkeypatch.chdir(user_script.write_project(tmp_path))
     done = call(sbatch.main, "nodes=2", "gpus_per_node=2", "time=12:00:00", "signal=USR1",
-                "signal_s=300", "checkpoint_uri=s3://b/p x", "--dry-run", "--",
+                "signal_s=300", "checkpoint.uri=s3://b/p x", "--dry-run", "--",
                 "python", "train.py", "--lr", "0.1 0.2")
     out, err = done.out, done.err
     assert done.code == 0, err
@@ -368,7 +368,7 @@ def test_the_dry_run_asks_for_cpus_and_memory_and_states_the_most_node_time(
     # The trainer on a node range: CPUs per node for every task; the time limit requeued;
     # the global batch on both nodes pinned (64 x 2), which it keeps on one.
     done = call(sbatch.main, "nodes=2", "min_nodes=1", "cpus_per_task=2",
-                "requeue_at_time_limit=true", "checkpoint_uri=s3://b/p", "--dry-run", "--",
+                "requeue_at_time_limit=true", "checkpoint.uri=s3://b/p", "--dry-run", "--",
                 "train.batch_size=64")
     out, err = done.out, done.err
     assert done.code == 0, err
@@ -391,10 +391,16 @@ def test_the_dry_run_asks_for_cpus_and_memory_and_states_the_most_node_time(
     (["nodes=4", "min_nodes=3"], ["train.global_batch=128"],
      ["a global batch of 128 samples cannot be split over 3 workers"]),
     (["nodes=1"], ["python", "missing.py"], ["missing.py: no such file"]),
-    (["nodes=1", "checkpoint_uri=ftp://host/x"], [],
-     ["checkpoint_uri=ftp://host/x: expected s3://bucket/prefix, gs://"]),
+    (["nodes=1", "checkpoint.uri=ftp://host/x"], [],
+     ["checkpoint.uri=ftp://host/x: expected s3://bucket/prefix, gs://"]),
+    # The s3:// forgotten: every rank's checkpoints would go to ./mybucket/prefix.
+    (["nodes=1", "checkpoint.uri=mybucket/prefix"], [],
+     ["checkpoint.uri=mybucket/prefix: expected s3://bucket/prefix, gs://bucket/prefix, "
+      "az://container/prefix or file:///path"]),
+    # The key of before: unknown, as any other (checkpoint.uri on every command).
+    (["nodes=1", "checkpoint_uri=s3://b/p"], [], ["Could not override 'checkpoint_uri'"]),
 ], ids=["no-sbatch", "tasks-per-gpu", "signal", "settings", "trainer-override", "node-range",
-        "missing-script", "checkpoint-uri"])
+        "missing-script", "checkpoint-uri", "checkpoint-uri-without-scheme", "old-key"])
 def test_bad_input_exits_2_and_submits_nothing(cluster, tmp_path, monkeypatch, ours, trainer,
                                                says):
     monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])

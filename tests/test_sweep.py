@@ -150,7 +150,7 @@ WORDS = ("python", "train.py", "--steps", "30", "--save-every", "4", "--sleep", 
          "--lr", "{lr}", "--batch", "{batch}")
 SCRIPT = ("sweep=custom", "sweep.name=script", "sweep.trials=4", "sweep.parallel=2",
           "sweep.params.lr=interval(0.01,0.1)", "sweep.params.batch=choice(1,2)",
-          "sweep.objectives=[test_loss]", "sweep.checkpoint_uri=gs://spotring-tests/team",
+          "sweep.objectives=[test_loss]", "checkpoint.uri=gs://spotring-tests/team",
           "--", *WORDS)
 
 
@@ -425,7 +425,7 @@ def test_a_trial_left_without_values_by_a_sweep_killed_inside_ask_gets_them_on_r
     """Optuna's ask stores a new trial, then each of its values: a sweep killed in
     between leaves a running trial with none. The next sweep samples them and runs it."""
     monkeypatch.chdir(write_project(tmp_path / "project"))
-    overrides = [o for o in SCRIPT[:SCRIPT.index("--")] if "checkpoint_uri" not in o]
+    overrides = [o for o in SCRIPT[:SCRIPT.index("--")] if "checkpoint.uri" not in o]
     plan = sweep_config.plan(overrides, list(WORDS))
     study = Study(plan, tmp_path, None)
     study.study._storage.create_new_trial(study.study._study_id)  # what the kill left
@@ -456,7 +456,12 @@ def test_a_trial_left_without_values_by_a_sweep_killed_inside_ask_gets_them_on_r
      "the command's {batch}: no such param; valid: {lr}"),
     (["sweep=custom", "sweep.params.lr=interval(0.01,0.1)", "sweep.objectives=[val_loss]"],
      ["python", "train.py", "--lr", "{lr}"], "val_loss:min or val_loss:max"),
-    (["sweep.checkpoint_uri=gs:/bucket"], [], "sweep.checkpoint_uri=gs:/bucket: expected"),
+    (["checkpoint.uri=gs:/bucket"], [], "checkpoint.uri=gs:/bucket: expected"),
+    # The s3:// forgotten: the study and every trial's checkpoints would go to a folder.
+    (["checkpoint.uri=mybucket/team"], [], "checkpoint.uri=mybucket/team: expected "
+     "s3://bucket/prefix, gs://bucket/prefix, az://container/prefix or file:///path"),
+    # The key of before: unknown, as any other (checkpoint.uri on every command).
+    (["sweep.checkpoint_uri=s3://b/p"], [], "Could not override 'sweep.checkpoint_uri'"),
 ])
 def test_bad_input_exits_2_naming_the_value_before_anything_exists(
         tmp_path, monkeypatch, overrides, trainer, named):

@@ -66,7 +66,7 @@ def test_train_py_is_plain_train_py_and_a_few_marked_lines():
     diff = list(difflib.unified_diff(plain, spotring, lineterm=""))[2:]  # no file names
     added = [line[1:] for line in diff if line.startswith("+") and line[1:].strip()]
     assert all("# spotring" in line for line in added), "\n".join(added)
-    assert len(added) <= MOST_CHANGED_LINES, "\n".join(added)
+    assert 0 < len(added) <= MOST_CHANGED_LINES, "\n".join(added)  # none: spotring unused
     # examples/README.md shows the diff as it is.
     shown = (EXAMPLES / "README.md").read_text().split("```diff\n")[1].split("```")[0]
     assert shown.splitlines() == diff

@@ -165,6 +165,7 @@ def test_alone_the_model_is_sharded_and_the_optimizer_follows_it_or_is_built(tmp
     try:
         torch.manual_seed(0)
         model = Net().double()
+        tensors = len(list(model.parameters()))
         stepped = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         model(torch.ones(2, 4, dtype=torch.float64)).sum().backward()
         stepped.step()
@@ -176,7 +177,7 @@ def test_alone_the_model_is_sharded_and_the_optimizer_follows_it_or_is_built(tmp
         sharded, optimizer = job.wrap(model, lambda params: torch.optim.AdamW(params, lr=0.1))
         assert sharded is model and job.unwrap(model) is model
         params = list(model.parameters())
-        assert all(isinstance(p, DTensor) for p in params)
+        assert len(params) == tensors and all(isinstance(p, DTensor) for p in params)
         assert [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in params]
     finally:
         job.close()

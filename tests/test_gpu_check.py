@@ -409,7 +409,8 @@ def test_the_bundle_is_all_the_kit_and_the_trainer_need_beside_torch(tmp_path, k
                             "boto3.__file__)"], cwd=tmp_path, env=env, capture_output=True,
                            text=True, timeout=120)
     assert where.returncode == 0, where.stderr
-    assert all(path.startswith(str(site)) for path in where.stdout.split())
+    paths = where.stdout.split()
+    assert len(paths) == 5 and all(path.startswith(str(site)) for path in paths), paths
     run = subprocess.run([str(python), "-m", "spotring.trainer",
                           f"hydra.run.dir={tmp_path / 'run'}", "telemetry.progress=false",
                           "train.device=cpu", "train.max_steps=2", "dataset=synthetic",

@@ -84,7 +84,9 @@ def check_trained(run: Run, **options) -> None:
     if run.summary["steps_this_run"] == 20:
         assert len(curve) == 4 and curve[-1] < 0.9 * curve[0], curve  # from ln 10 = 2.30
     assert run.summary["test_accuracy"] > 0.3  # chance is 0.1
-    assert all(not k.startswith(("_orig_mod.", "module.")) for k in run.params())
+    names = run.params().keys()
+    assert all(not k.startswith(("_orig_mod.", "module.")) for k in names)
+    assert names == build_model(compose_config().model, (1, 28, 28), 10).state_dict().keys()
 
 
 @pytest.fixture(scope="module")

@@ -130,8 +130,9 @@ def test_a_notice_stops_every_rank_at_one_step_with_its_checkpoint_and_resumes_e
     else:
         assert note["reason"].startswith(f"{stub.cloud} "), note
         assert f"watching {stub.cloud}'s metadata service at {stub.url}" in output
-    if notice == "ec2":  # IMDSv2: every read carries the session token
-        assert all(token for method, _, token in stub.requests if method == "GET")
+    if notice == "ec2":  # IMDSv2: every read carries the session token (and it read)
+        tokens = [token for method, _, token in stub.requests if method == "GET"]
+        assert tokens and all(tokens), stub.requests
     assert Checkpoints(run_dir / "checkpoints", keep=3).newest_valid().step == step
     continues(run_dir, reference, "fsdp", 3, step)
 

@@ -259,4 +259,6 @@ def test_image_folder_on_two_workers_equals_one_worker_with_the_same_global_batc
     # and the weights moved from where they started: not a trivially equal pair
     runtime.seed_all(4)
     start = build_model(compose_config().model, (3, 28, 28), 2).state_dict()
-    assert all(not torch.equal(start[k].double(), v) for k, v in one.params().items())
+    trained = one.params()
+    assert trained.keys() == start.keys()
+    assert all(not torch.equal(start[k].double(), v) for k, v in trained.items())

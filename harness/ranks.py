@@ -96,21 +96,34 @@ class Ranks:
                  env: dict[str, str] | None = None, **kwargs: Any) -> None:
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.logs = [run_dir.with_name(f"{run_dir.name}.rank{r}.log")
-                     for r in range(world_size)]
+        self.logs: list[Path] = []
         base = {**os.environ, RUN_DIR: str(run_dir), "PYTHONUNBUFFERED": "1", **(env or {})}
         port = str(free_port())
-        self.processes = []
-        for rank, log in enumerate(self.logs):
-            log.write_text("")
-            launcher = {} if world_size == 1 else {
+        self.processes: list[multiprocessing.Process] = []
+        self._target, self._kwargs, self._base = target, kwargs, base
+        for rank in range(world_size):
+            self._start({} if world_size == 1 else {
                 "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port}
-            process = _CONTEXT.Process(target=_rank, name=f"rank {rank}",
-                                       args=(base | launcher, str(log), target, kwargs))
-            process.start()
-            self.processes.append(process)
+                "MASTER_PORT": port})
+
+    def _start(self, launcher: dict[str, str]) -> int:
+        index = len(self.processes)
+        log = self.run_dir.with_name(f"{self.run_dir.name}.rank{index}.log")
+        log.write_text("")
+        process = _CONTEXT.Process(target=_rank, name=f"rank {index}",
+                                   args=(self._base | launcher, str(log), self._target,
+                                         self._kwargs))
+        process.start()
+        self.processes.append(process)
+        self.logs.append(log)
+        return index
+
+    def start_another(self) -> int:
+        """One more process of the same workload, started alone (no launcher's
+        variables), as a new node's joins a job in place (spotring/elastic/); its index
+        among ``processes``."""
+        return self._start({})
 
     def __enter__(self) -> Ranks:
         return self
@@ -146,15 +159,18 @@ class Ranks:
         return [r for r, process in enumerate(self.processes) if process.is_alive()]
 
     def step(self) -> int:
-        """The newest step rank 0 printed a loss for (``step N loss L`` lines)."""
-        return max(losses(self.output(0)), default=0)
+        """The newest step rank 0 printed a loss for (``step N loss L`` lines: rank 0's
+        process, or whichever is rank 0 at the time in a job in place)."""
+        return max(losses(self.output()), default=0)
 
-    def until(self, done: Callable[[], object], what: str, timeout: float = 300) -> bool:
-        """Poll ``done()`` until it is true (True), or until a rank has ended (False);
-        fail naming ``what`` after ``timeout`` seconds, which only bounds a failure."""
+    def until(self, done: Callable[[], object], what: str, timeout: float = 300,
+              while_any: bool = False) -> bool:
+        """Poll ``done()`` until it is true (True), or until a rank has ended (False;
+        ``while_any``: until none runs, as ranks of a job in place leave); fail naming
+        ``what`` after ``timeout`` seconds, which only bounds a failure."""
         deadline = time.monotonic() + timeout
         while not done():
-            if len(self.running()) < len(self.processes):
+            if len(self.running()) < (1 if while_any else len(self.processes)):
                 return False
             if time.monotonic() > deadline:
                 self.kill()

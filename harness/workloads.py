@@ -70,20 +70,11 @@ def residual(engine: str = "ddp", steps: int = 16, save_every: int = 4, width: i
         {} if poll_seconds is None else {"poll_seconds": poll_seconds}))
     with spotring.init(engine=engine, seed=0, check_every_steps=vote_every, notices=notices,
                        preemption=preemption, timeout_s=timeout_s) as job:
-        model = Net(width)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        loader = job.loader(data(), GLOBAL_BATCH)
-        model, optimizer = job.wrap(model, optimizer)
-        job.track(model=model, optimizer=optimizer, loader=loader)
-        job.restore()
+        model, optimizer, loader = _started(job, width)
         for _ in loader.epochs(-(-steps // STEPS_PER_EPOCH)):
             # None left where the run resumed from a stop at its last step.
             for xb, yb in loader if job.step_count < steps else ():
-                loss = ((model(xb) - yb) ** 2).mean()
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                mean = job.all_reduce(loss.detach()).item()
+                mean = _trained(job, model, optimizer, xb, yb)
                 if job.is_main:
                     print(f"step {job.step_count} loss {mean!r}", flush=True)
                     if job.step_count == hold_at:
@@ -97,12 +88,67 @@ def residual(engine: str = "ddp", steps: int = 16, save_every: int = 4, width: i
                     break
             if job.step_count >= steps:
                 break
-        job.save(background=False)
-        whole = get_model_state_dict(job.unwrap(model), options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True))
-        if job.is_main:
-            torch.save(whole, job.run_dir / "weights.pt")
-        job.finish()
+        _ended(job, model)
+
+
+def in_place(steps: int = 16, min_workers: int = 1, sleep: float = 0.05,
+             timeout_s: float = 30) -> None:
+    """``residual``'s training in a job in place (spotring/elastic/, the rendezvous from
+    $SPOTRING_RENDEZVOUS): the ranks vote at every step, a SIGTERM makes its rank leave
+    and the others go on, a lost rank's step is taken again. Rank 0 (whichever process it
+    is at the time) leaves the whole model in weights.pt at the end, and every rank prints
+    ``step N loss L`` for each step that stood: not one taken again (its collectives
+    failed: its loss is this rank's own, and the step counts once more). Every rank: a
+    rank 0 that is lost takes its last line with it."""
+    with spotring.init(seed=0, in_place="auto", min_workers=min_workers, check_every_steps=1,
+                       notices="none", timeout_s=timeout_s) as job:
+        model, optimizer, loader = _started(job, 128)
+        for _ in loader.epochs(-(-steps // loader.steps_per_epoch)):
+            for xb, yb in loader if job.step_count < steps else ():
+                mean = _trained(job, model, optimizer, xb, yb)
+                step, stood = job.step_count, job.engine.failure is None
+                time.sleep(sleep)
+                if job.should_stop():
+                    job.save_and_exit()
+                if stood:
+                    print(f"step {step} loss {mean!r}", flush=True)
+                if job.step_count >= steps:
+                    break
+            if job.step_count >= steps:
+                break
+        _ended(job, model)
+
+
+def _started(job: spotring.Job, width: int) -> tuple[nn.Module, torch.optim.Optimizer,
+                                                       spotring.DataLoader]:
+    """The model, its optimizer and the loader, wrapped, tracked and restored."""
+    model = Net(width)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = job.loader(data(), GLOBAL_BATCH)
+    model, optimizer = job.wrap(model, optimizer)
+    job.track(model=model, optimizer=optimizer, loader=loader)
+    job.restore()
+    return model, optimizer, loader
+
+
+def _trained(job: spotring.Job, model: nn.Module, optimizer: torch.optim.Optimizer,
+             xb: torch.Tensor, yb: torch.Tensor) -> float:
+    """One step on this rank's batch; the loss averaged over the ranks."""
+    loss = ((model(xb) - yb) ** 2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return job.all_reduce(loss.detach()).item()
+
+
+def _ended(job: spotring.Job, model: nn.Module) -> None:
+    """The last checkpoint, rank 0's weights.pt of the whole model, the summary."""
+    job.save(background=False)
+    whole = get_model_state_dict(job.unwrap(model), options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True))
+    if job.is_main:
+        torch.save(whole, job.run_dir / "weights.pt")
+    job.finish()
 
 
 def _held(run_dir) -> None:

@@ -43,6 +43,7 @@ _EXPORTS = {
     "HorovodOptions": "spotring.engines.horovod",
     "CheckpointOptions": "spotring.options",
     "PreemptionOptions": "spotring.options",
+    "ElasticOptions": "spotring.options",
     "DataLoader": "spotring.loader",
     "GlobalBatchSampler": "spotring.sampler",
     "Shards": "spotring.shards.dataset",
@@ -78,6 +79,7 @@ if _typing.TYPE_CHECKING:  # what type checkers see; "X as X": a re-export (PEP 
     from spotring.lr import scaled_lr as scaled_lr
     from spotring.lr import warmup_schedule as warmup_schedule
     from spotring.options import CheckpointOptions as CheckpointOptions
+    from spotring.options import ElasticOptions as ElasticOptions
     from spotring.options import EngineOptions as EngineOptions
     from spotring.options import PreemptionOptions as PreemptionOptions
     from spotring.sampler import GlobalBatchSampler as GlobalBatchSampler

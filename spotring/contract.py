@@ -7,9 +7,13 @@ under horovodrun; OMPI_COMM_WORLD_RANK... under mpirun; SLURM_PROCID... under sr
     SPOTRING_CHECKPOINT_URI  s3://... that every checkpoint also goes to
     SPOTRING_RUN_ID          the same across every restart of the job
     SPOTRING_RESTART         0 on the first try, then 1, 2, ... on each restart
+    SPOTRING_RENDEZVOUS      host:port of the store a job in place meets in (outlives
+                             every training node; spotring.ElasticOptions)
+    SPOTRING_MEMBER          this process's name among the job's workers in place
+                             (default host:pid)
 
 spotring.init (and so the built-in trainer, which is a spotring user like any script)
-reads the first two; a script without the library may read them all.
+reads the first two and the last two; a script without the library may read them all.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ RUN_DIR = "SPOTRING_RUN_DIR"
 CHECKPOINT_URI = "SPOTRING_CHECKPOINT_URI"
 RUN_ID = "SPOTRING_RUN_ID"
 RESTART = "SPOTRING_RESTART"
+RENDEZVOUS = "SPOTRING_RENDEZVOUS"
+MEMBER = "SPOTRING_MEMBER"
 
 
 def environment(run_id: str, run_dir: str, restart: int | str,
@@ -40,3 +46,14 @@ def run_dir() -> str | None:
 def checkpoint_uri() -> str | None:
     """Where this job's checkpoints also go, where a launcher gave it."""
     return os.environ.get(CHECKPOINT_URI) or None
+
+
+def rendezvous() -> str | None:
+    """host:port of the store this job's workers meet in, where a launcher gave one."""
+    return os.environ.get(RENDEZVOUS) or None
+
+
+def member() -> str | None:
+    """This process's name among the job's workers, where a launcher gave one."""
+    return os.environ.get(MEMBER) or None
+

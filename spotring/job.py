@@ -44,6 +44,7 @@ Exit codes: spotring/exits.py; what checkpoints hold and how: spotring/checkpoin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -59,6 +60,8 @@ from torch.optim import Optimizer
 from spotring import contract, engines, runtime, torch_compat, versions
 from spotring.checkpoint.layout import Checkpoint, Checkpoints, note_where
 from spotring.checkpoint.manager import Checkpointer, unwrap
+from spotring.elastic.in_place import InPlace
+from spotring.engines.process_group import Group
 from spotring.exits import (
     DIVERGED,
     EXIT_CONFIG,
@@ -74,6 +77,7 @@ from spotring.loader import DataLoader
 from spotring.options import (
     CheckpointOptions,
     Device,
+    ElasticOptions,
     EngineOptions,
     Precision,
     PreemptionOptions,
@@ -98,7 +102,8 @@ def init(*, engine: str | EngineOptions = "ddp", backend: str | None = None,
          checkpoint_dir: str | os.PathLike | None = None, checkpoint_uri: str | None = None,
          keep: int | None = None, preemption: PreemptionOptions | None = None,
          notices: str | None = None, check_every_steps: int | None = None,
-         threads: int | None = None, seed: int = 0) -> Job:
+         elastic: ElasticOptions | None = None, in_place: str | None = None,
+         min_workers: int | None = None, threads: int | None = None, seed: int = 0) -> Job:
     """Join the job this process was started in (see the module docstring): read the
     launcher's environment, take the local rank's GPU or the CPU, join the process group.
     Bad input (a value below, an engine this launch cannot run, an S3 bucket out of
@@ -132,6 +137,11 @@ def init(*, engine: str | EngineOptions = "ddp", backend: str | None = None,
         (GCP's holds each request until its flag changes; EC2's and Azure's are asked
         every 0.5 s); vote as often as keeps the vote near 1% of the steps' time while a
         notice is acted on within about a second.
+    elastic: a spotring.ElasticOptions (in_place, min_workers, rendezvous,
+        save_on_leave); in_place and min_workers, where given, replace its fields.
+        Default: off, a lost worker stops every rank. in_place="auto": the others train
+        on in place with the same global batches, and a process started with the job's
+        rendezvous ($SPOTRING_RENDEZVOUS) joins at a step boundary (docs/elastic.md).
     threads: torch threads per process; default this machine's cores / local workers.
     seed: seeds torch and random the same on every rank (the same initial weights);
         after ``wrap`` every rank gets its own stream.
@@ -143,22 +153,29 @@ def init(*, engine: str | EngineOptions = "ddp", backend: str | None = None,
                                       compression=compression)
         notices = (preemption or PreemptionOptions()).replaced(
             "preemption", notices=notices, check_every_steps=check_every_steps)
+        elastic = (elastic or ElasticOptions()).replaced(
+            "elastic", in_place=in_place, min_workers=min_workers).resolved()
         problems = []
         if not isinstance(checkpoint, Checkpoints):
             checkpoint = (checkpoint or CheckpointOptions()).replaced(
                 "checkpoint", dir=checkpoint_dir, uri=checkpoint_uri, keep=keep)
             problems = checkpoint.problems("checkpoint.")
-        if problems := problems + notices.problems("preemption."):
+        if problems := (problems + notices.problems("preemption.")
+                        + elastic.problems("elastic.")):
             raise ConfigError("; ".join(problems))
         require_one_of("device", device, Device)
         torch_device = runtime.pick_device(device, launch.local_rank)
         engines.check(options, launch, torch_device)
+        elastic = _in_place_here(elastic, options, launch)
         run_dir = Path(run_dir or contract.run_dir()
                        or Path("runs") / Path(sys.argv[0]).stem).absolute()
         checkpoints = (checkpoint if isinstance(checkpoint, Checkpoints)
                        else checkpoint.open(run_dir))
         if launch.rank == 0:
             checkpoints.check_access()
+        membership, group = (InPlace.begin(elastic, launch.rank, launch.world_size,
+                                           options.timeout_s)
+                             if elastic.in_place != "off" else (None, None))
     except ConfigError as e:
         report_bad_input(e, launch.rank, launch.world_size)
         sys.exit(EXIT_CONFIG)
@@ -167,7 +184,36 @@ def init(*, engine: str | EngineOptions = "ddp", backend: str | None = None,
         log.warning("%s", untested)
     runtime.set_threads(threads, launch.local_world_size)
     runtime.seed_all(seed)
-    return Job(launch, options, torch_device, run_dir, checkpoints, notices, seed)
+    return Job(launch, options, torch_device, run_dir, checkpoints, notices, seed, membership,
+               group)
+
+
+def _in_place_here(elastic: ElasticOptions, engine: EngineOptions,
+                   launch: runtime.Launch) -> ElasticOptions:
+    """``elastic`` as this job can run it: ConfigError for in place demanded (on) where
+    it cannot run, or asked for without a rendezvous store or with a minimum above the
+    workers there are; in place off, said in a line, where it was only asked for
+    (auto)."""
+    if elastic.in_place == "off":
+        return elastic
+    if elastic.rendezvous is None:
+        raise ConfigError(
+            f"elastic.in_place={elastic.in_place} needs a rendezvous store that outlives "
+            "every training node: give its host:port as elastic.rendezvous or "
+            "$SPOTRING_RENDEZVOUS (`spotring rendezvous` serves one; `spotring launch` "
+            "runs it), or elastic.in_place=off")
+    if elastic.min_workers > launch.world_size:
+        raise ConfigError(
+            f"elastic.min_workers={elastic.min_workers} with {launch.world_size} workers: "
+            f"the job would stop at its first loss; valid here: 1 to {launch.world_size}")
+    if why := engines.in_place_problem(engine):
+        if elastic.in_place == "on":
+            raise ConfigError(f"elastic.in_place=on: {why}; or elastic.in_place=auto "
+                              "(today's path for this engine)")
+        if launch.rank == 0:
+            log.warning("in place: off (%s): a lost worker stops every rank", why)
+        return dataclasses.replace(elastic, in_place="off")
+    return elastic
 
 
 def _announce(rank: int) -> None:
@@ -187,7 +233,9 @@ class Job:
     checked its input; its arguments are init's, checked and resolved: the ``launch``
     (spotring.runtime.detect), the ``engine``'s options, the torch ``device``, the
     ``run_dir``, the ``checkpoints`` (CheckpointOptions.open: the stores and how to save
-    to them), the ``preemption`` options and the ``seed``.
+    to them), the ``preemption`` options and the ``seed``; in a job in place
+    (spotring.ElasticOptions), ``in_place``, its membership (spotring/elastic/), and
+    ``group``, the process group it forms first.
 
     rank, world_size, local_rank, device: this process's place in the job; is_main: rank
     0, the one process that writes files; options: the engine's options; engine: the
@@ -197,10 +245,14 @@ class Job:
 
     def __init__(self, launch: runtime.Launch, engine: EngineOptions, device: torch.device,
                  run_dir: Path, checkpoints: Checkpoints, preemption: PreemptionOptions,
-                 seed: int) -> None:
+                 seed: int, in_place: InPlace | None = None, group: Group | None = None
+                 ) -> None:
         self.launch, self.run_dir = launch, run_dir
         self.seed, self.options = seed, engine
-        self.engine = engines.create(engine, launch, device)
+        self._in_place = in_place  # the membership of a job in place (spotring/elastic/)
+        self.engine = engines.create(engine, launch, device, group)
+        if in_place is not None:
+            in_place.engine = self.engine
         self.rank, self.world_size = self.engine.rank, self.engine.world_size
         self.local_rank, self.device = self.engine.local_rank, device
         if self.world_size > 1:  # rank 0's directory, whatever the others' defaults say
@@ -209,7 +261,10 @@ class Job:
         self.checkpoints = checkpoints
         if self.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
-        self.preemption = Preemption(preemption, self.engine, self.local_rank)
+        self.preemption = Preemption(
+            preemption, self.engine, self.local_rank,
+            None if in_place is None else lambda: in_place.rendezvous.waiting(
+                in_place.generation))
         self.scaler = torch.amp.GradScaler(device.type, enabled=False)
         self.precision = "fp32"
         self._checkpointer = Checkpointer(checkpoints, self.engine, seed, checkpoints.sharded,
@@ -226,6 +281,7 @@ class Job:
         self._started = time.perf_counter()
         self._telemetry: Telemetry | None = None
         self._stop_reason: str | None = None
+        self._leaving = False  # in place: this rank leaves, the others go on
         self._closed = False
 
     @property
@@ -321,6 +377,9 @@ class Job:
         k = accumulation or (self._loader.accumulation if self._loader is not None else 1)
         self._accumulation, self._micro_steps = k, 0
         model, optimizer = self.engine.prepare(model, optimizer, k, precision=self.precision)
+        if self._in_place is not None:  # a step whose collectives failed is not applied
+            self._in_place.watch(optimizer, lambda: self.engine.failure is not None,
+                                 self._drop_group)
         # From here on every rank draws its own random numbers (dropout, augmentation).
         runtime.seed_all(hash((self.seed, self.rank)))
         self._model = model
@@ -455,9 +514,19 @@ class Job:
         if self.is_main and not self._noted_where:
             note_where(self.run_dir, self.checkpoints)
             self._noted_where = True
-        self._checkpointer.save(self.step_count, self._position, self.scaler,
-                                self.checkpoints.background if background is None
-                                else background)
+        try:
+            self._checkpointer.save(self.step_count, self._position, self.scaler,
+                                    self.checkpoints.background if background is None
+                                    else background)
+        except Exception as e:
+            if self._in_place is None or not engines.is_collective_failure(
+                    e.__cause__ or e) and "Connection closed" not in str(e):
+                raise
+            # In place, a worker lost while the parts were written: the one before
+            # stands, and the next step boundary goes on without the lost worker.
+            log.warning("the checkpoint of step %d was not saved: a worker was lost "
+                        "while it was written", self.step_count)
+            self.engine.failed(e)
         return self.step_count
 
     def restore(self, source: str | Checkpoint | None = "auto") -> int | None:
@@ -473,7 +542,12 @@ class Job:
         folder, or of a single-file checkpoint's .pt (older spotring); a Checkpoint
         already found, or a list of them found by spotring.checkpoint.layout.find_resume,
         tried as "auto" tries its own (None: none)."""
-        step = self._checkpointer.restore(source, self.scaler)
+        if self._in_place is not None and self._in_place.joining:
+            # A process that joins a job in place takes the members' state, not a
+            # checkpoint's.
+            step = self._in_place.join(self)
+        else:
+            step = self._checkpointer.restore(source, self.scaler)
         if step is not None:
             self._steps = self._start_step = step
         return step
@@ -489,6 +563,9 @@ class Job:
         self._steps += 1
         self._checkpointer.step_taken()
         decision = self.preemption.decide()
+        if self._in_place is not None and decision.stop is None and self._in_place.boundary(
+                self, decision.leaving, decision.joining):
+            return True
         if decision.checkpoint and self.saved_step != self.step_count:
             self.save()
         self._stop_reason = decision.stop
@@ -503,7 +580,7 @@ class Job:
         self._checkpointer.wait()  # this step's checkpoint, begun in the background: finish it
         reason = self._stop_reason or "stop requested"
         saved = self._checkpointer.saved
-        if self.is_main:
+        if self.is_main and not self._leaving:  # a job in place goes on without this rank
             timing = notice_budget(saved, self.checkpoints, reason, self.step_count,
                                    self.preemption.noticed_at or time.time(),
                                    notice_seconds=self.preemption.notice_seconds)
@@ -549,12 +626,90 @@ class Job:
                         "epochs": self.step_count / position.steps_per_epoch,
                         "images_per_second": steps * position.global_batch
                         / max(seconds, 1e-9)}
+        if self._in_place is not None:  # each change of workers in place, in order
+            summary["in_place"] = self._in_place.changes
         summary |= gather_reads(self, self._datasets) | results  # every rank's, per epoch
         if self.is_main:
             write_atomic(self.run_dir / "summary.json",
                          json.dumps(summary, indent=2, default=str).encode())
         self.close()
         return summary
+
+    # -------------------------------------------------------------------- in place
+    # The job's part that spotring/elastic/in_place.py (the membership of a job in place,
+    # which the job holds) calls at a step boundary: not the user's API.
+
+    @property
+    def _tracked(self) -> dict[str, Any]:
+        """What every checkpoint holds (``track``'s objects), by name."""
+        return self._checkpointer.tracked
+
+    def _small_states(self) -> dict[str, Any]:
+        """The tracked objects but models and optimizers (the loader's position,
+        schedulers, the script's dicts), as their state_dicts, and the step count."""
+        return {name: obj.state_dict() if hasattr(obj, "state_dict") else dict(obj)
+                for name, obj in self._tracked.items()
+                if not isinstance(obj, nn.Module | Optimizer)} | {None: self._steps}
+
+    def _load_small_states(self, states: dict[str, Any]) -> None:
+        """Back to ``states`` (small_states'): an iteration of the loader in progress goes
+        on from its position there."""
+        for name, state in states.items():
+            if name is None:
+                self._steps = state
+            elif hasattr(obj := self._tracked[name], "load_state_dict"):
+                obj.load_state_dict(state)
+            else:
+                obj.clear()
+                obj.update(state)
+
+    def _regroup(self, group: Group) -> None:
+        """Form ``group``'s process group in place of this one: the engine and DDP's
+        reducer move to it, the loaders split the same global batches over its ranks, the
+        vote and the checkpoints' collectives start anew, and its rank 0 writes."""
+        self.engine.regroup(group)
+        self.rank, self.world_size = self.engine.rank, self.engine.world_size
+        self._checkpointer.regrouped()
+        self.preemption.regrouped()
+        for loader in {id(o): o for o in [*self._tracked.values(), self._loader]
+                       if isinstance(o, DataLoader)}.values():
+            loader.reshard(self.rank, self.world_size)
+            self._accumulation = loader.accumulation if loader is self._loader \
+                else self._accumulation
+        if self._telemetry is not None and self._telemetry.enabled != self.is_main:
+            self._telemetry.close()
+            self._telemetry = None  # made again, by rank 0 alone
+        if log.handlers and not logging.getLogger().handlers:  # init's own lines
+            log.setLevel(logging.INFO if self.is_main else logging.WARNING)
+
+    def _drop_group(self) -> None:
+        """A worker lost: let go of every hold on the broken group at once (the engine's,
+        DDP's, the vote's, the checkpoints'), so that its connections close and the
+        survivors waiting in it for this rank are freed."""
+        self.preemption.regrouped()
+        self._checkpointer.regrouped()
+        self.engine.drop_group()
+
+    def _wait_for_saves(self) -> None:
+        """The background save in flight (if any) published, with the members it began
+        with."""
+        self._checkpointer.wait()
+
+    def _abandon_saves(self) -> None:
+        """A worker was lost: the background save in flight cannot complete; the one
+        before stands."""
+        self._checkpointer.abandon()
+
+    def _stop_all(self, reason: str) -> bool:
+        """In place, where the others cannot go on: every rank stops now, as on a notice
+        (save_and_exit: the checkpoint, exit 75), for ``reason``."""
+        self._stop_reason = self.preemption.stop_all(reason).stop
+        log.warning("in place: %s", reason)
+        return True
+
+    def _leave(self, reason: str) -> None:
+        """In place: this rank leaves (save_and_exit next), the others go on."""
+        self._stop_reason, self._leaving = reason, True
 
     # ------------------------------------------------------------------------- leaving
 
@@ -568,7 +723,12 @@ class Job:
         self.preemption.close()
         if self._telemetry is not None:
             self._telemetry.close()
-        self.engine.shutdown()
+        if self._leaving:
+            self.engine.leave()  # the others went on: no goodbye
+        else:
+            self.engine.shutdown()
+        if self._in_place is not None:
+            self._in_place.close()
         self.preemption.restore_signals()
 
     def __enter__(self) -> Job:

@@ -83,7 +83,11 @@ class DataLoader(torch.utils.data.DataLoader):
         # torch leaves batch_size None under a batch_sampler and then refuses to set it;
         # every batch of this one has B samples, which is what batch_size means to readers.
         object.__setattr__(self, "batch_size", micro)
+        self.batch_size_cap = batch_size  # the most samples per micro-step asked for
         self._handed = 0  # micro-batches of the current global batch handed out (0..K)
+        # The iteration in progress goes on from the position as it stands now (set
+        # again, or split over other workers): taken up at its next micro-batch.
+        self._restart = False
 
     @property
     def global_batch(self) -> int:
@@ -144,22 +148,48 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue where ``state`` was taken, on any world size and accumulation; raises
-        ConfigError for another seed or global batch (the samples would differ)."""
+        ConfigError for another seed or global batch (the samples would differ). An
+        iteration in progress goes on from there."""
         self.batch_sampler.load_state_dict(state)
         self._handed = 0
+        self._restart = True
+
+    def reshard(self, rank: int, world_size: int) -> None:
+        """Be ``rank`` of ``world_size`` workers from the current position on, each taking
+        its share of the same global batches (more micro-steps where batch_size caps it):
+        a job in place whose workers changed. An iteration in progress goes on so."""
+        micro, accumulation = split_global_batch(self.global_batch, world_size,
+                                                 self.batch_size_cap)
+        self.batch_sampler.reshard(rank, world_size, accumulation)
+        object.__setattr__(self, "batch_size", micro)
+        self._handed = 0
+        self._restart = True
 
     def __iter__(self) -> Iterator[Any]:
         # A new iteration restarts at the offset, the start of a global batch.
         self._handed = 0
-        return self._counted(super().__iter__())
+        self._restart = False
+        return self._counted()
 
-    def _counted(self, batches: Iterator[Any]) -> Iterator[Any]:
-        sampler = self.batch_sampler
-        for batch in batches:
-            self._handed = self._handed % self.accumulation + 1
-            if self._handed == self.accumulation:
-                sampler.seek(sampler.epoch, sampler.offset + self.global_batch)
-            yield batch
+    def _counted(self) -> Iterator[Any]:
+        sampler, epoch = self.batch_sampler, self.epoch
+        batches = super().__iter__()
+        while True:
+            while not self._restart:
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    return
+                self._handed = self._handed % self.accumulation + 1
+                if self._handed == self.accumulation:
+                    sampler.seek(sampler.epoch, sampler.offset + self.global_batch)
+                yield batch
+            # Set again (or split anew) between two steps: the batches from there on,
+            # within this epoch; a position in another one ends this epoch's iteration.
+            self._restart, self._handed = False, 0
+            if self.epoch != epoch:
+                return
+            batches = super().__iter__()
 
     def __len__(self) -> int:
         """Micro-batches left in the current epoch."""

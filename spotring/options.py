@@ -5,6 +5,7 @@ reported.
                         (spotring/engines/: DDPOptions, FSDPOptions, HorovodOptions)
     CheckpointOptions   dir, uri, keep, background, sharded: where checkpoints go, how
     PreemptionOptions   notices, poll_seconds, check_every_steps: spot notices and their vote
+    ElasticOptions      in_place, min_workers, rendezvous: workers lost and gained in place
 
 Each is a dataclass that states its fields, their types and defaults once: spotring.init
 builds them from its keywords or takes them as they are, and the built-in trainer's Hydra
@@ -83,6 +84,7 @@ Backend = choices("Backend", "auto nccl gloo mpi")
 Device = choices("Device", "auto cpu cuda")
 Precision = choices("Precision", "auto fp32 bf16 fp16")
 Notices = choices("Notices", " ".join(["auto", *metadata.SOURCES, "none"]))
+InPlace = choices("InPlace", "off auto on")
 
 
 class Options:
@@ -226,3 +228,48 @@ class PreemptionOptions(Options):
         """Options.problems (keys after ``prefix``), and the ranges of the numbers."""
         return super().problems(prefix) + positive(
             prefix, poll_seconds=self.poll_seconds, check_every_steps=self.check_every_steps)
+
+
+@dataclass
+class ElasticOptions(Options):
+    """How the job goes on when it loses or gains workers (spotring/elastic/).
+
+    in_place: off: a lost worker stops every rank (a notice: a checkpoint and exit 75; a
+        loss without notice: exit 69), and a launcher starts the job again. auto: the
+        other workers go on in place, with the same global batches, where they can (the
+        DDP engine; the global batch splits over them; at least min_workers), and a
+        worker started with the job's rendezvous joins at a step boundary; where they
+        cannot, today's path, with a line that says why. on: as auto, and an engine or a
+        launch that cannot run in place is bad input (exit 2) at init.
+    min_workers: the fewest workers that go on in place; fewer take today's path.
+    rendezvous: host:port of the store the job's workers meet in, which outlives every
+        training node (``spotring rendezvous`` serves one; ``spotring launch`` runs it);
+        default $SPOTRING_RENDEZVOUS. In place needs one.
+    save_on_leave: where workers leave on a notice, every rank first writes the
+        checkpoint of that step (as today's path would), so that the job could still
+        start again from it; False: the others go on at once.
+    """
+
+    in_place: InPlace = InPlace.off
+    min_workers: int = 1
+    rendezvous: str | None = None
+    save_on_leave: bool = True
+
+    def problems(self, prefix: str = "") -> list[str]:
+        """Options.problems (keys after ``prefix``), min_workers' range and rendezvous's
+        form."""
+        found = super().problems(prefix) + positive(prefix, min_workers=self.min_workers)
+        if self.rendezvous is not None and not _host_port(self.rendezvous):
+            found.append(f"{prefix}rendezvous={self.rendezvous}: expected host:port, such "
+                         "as 10.0.0.1:29400")
+        return found
+
+    def resolved(self) -> ElasticOptions:
+        """These options with rendezvous from $SPOTRING_RENDEZVOUS where unset."""
+        return dataclasses.replace(self, rendezvous=self.rendezvous or contract.rendezvous())
+
+
+def _host_port(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+

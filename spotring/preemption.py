@@ -77,6 +77,10 @@ def vote_interval(step_seconds: float, vote_seconds: float) -> int:
 class Decision:
     stop: str | None  # why every rank stops now (a notice or a signal), or None
     checkpoint: bool  # checkpoint now (a rebalance recommendation) and go on
+    # In place: the ranks whose node has a notice (they leave, the others go on), and
+    # how many processes asked to join.
+    leaving: tuple[int, ...] = ()
+    joining: int = 0
 
 
 class Preemption:
@@ -86,10 +90,14 @@ class Preemption:
     source: the metadata service this rank's watcher found (local rank 0 of each node),
         or None (none yet, none answers, or this rank does not watch).
     interval: the steps between two votes now, the same on every rank.
+    waiting: in place (spotring/elastic/), how many processes asked to join (rank 0
+        asks, and votes it): a notice or signal then votes this rank out, not all of
+        them to a stop. None: not in place.
     """
 
-    def __init__(self, options: PreemptionOptions, engine: Engine, local_rank: int) -> None:
-        self.options, self.engine = options, engine
+    def __init__(self, options: PreemptionOptions, engine: Engine, local_rank: int,
+                 waiting: Callable[[], int] | None = None) -> None:
+        self.options, self.engine, self.waiting = options, engine, waiting
         self.source: metadata.Source | None = None
         self.interval = options.check_every_steps or 1
         self._stop: str | None = None
@@ -219,7 +227,13 @@ class Preemption:
         now = time.perf_counter()
         rebalance = self._rebalance.is_set() and not self._rebalance_handled
         self._rebalance_handled |= rebalance  # voted once; answered with the next call
-        votes = torch.tensor([self._stop is not None, rebalance, self._proposal(now)],
+        noticed = self._stop is not None
+        leaving = [0.0] * self.engine.world_size
+        joining = 0
+        if self.waiting is not None:  # in place: this rank leaves; rank 0 counts joiners
+            leaving[self.engine.rank], noticed = float(noticed), False
+            joining = self.waiting() if self.engine.rank == 0 else 0
+        votes = torch.tensor([noticed, rebalance, self._proposal(now), joining, *leaving],
                              dtype=torch.float64, device=self.engine.device)
         self._pending = self.engine.start_sum(votes, "preemption")
         self._vote_seconds = time.perf_counter() - now
@@ -241,7 +255,7 @@ class Preemption:
         interval it sets: the floor of the proposals' mean, exact in float64, so the same
         on every rank."""
         started = time.perf_counter()
-        stop_votes, rebalance_votes, proposals = self._pending().tolist()
+        stop_votes, rebalance_votes, proposals, joining, *leaving = self._pending().tolist()
         self._vote_seconds += time.perf_counter() - started
         self._pending = None
         if stop_votes > 0:  # no vote follows; the interval named is the one this vote kept
@@ -255,8 +269,21 @@ class Preemption:
         self._next_vote = self._sent[0] + interval
         if rebalance_votes > 0:
             self._rebalance_handled = True  # one checkpoint, whichever rank saw it first
-            return Decision(None, True)
-        return Decision(None, False)
+        return Decision(None, rebalance_votes > 0,
+                        tuple(r for r, vote in enumerate(leaving) if vote > 0), int(joining))
+
+    def regrouped(self) -> None:
+        """In place: the ranks are others now (spotring/elastic/): the vote in flight is
+        dropped, and they vote at the next step, as at the start."""
+        self._pending, self._sent = None, None
+        self.interval = self.options.check_every_steps or 1
+        self._next_vote = self._steps + 1
+
+    def stop_all(self, reason: str) -> Decision:
+        """In place, where the others cannot go on: every rank stops, as on a notice."""
+        self.noticed_at = self.noticed_at or time.time()
+        self._decided = Decision(reason, False)
+        return self._decided
 
     def close(self) -> None:
         """Stop watching, ending the metadata request in flight, and wait for the watcher

@@ -110,6 +110,19 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def __init__(self, num_samples: int, global_batch: int, *, rank: int, world_size: int,
                  accumulation: int = 1, seed: int = 0, order: Order | None = None) -> None:
+        if global_batch > num_samples:
+            raise ConfigError(f"the global batch of {global_batch} samples is larger than the "
+                              f"dataset ({num_samples} samples): an epoch would have no step")
+        self.num_samples, self.global_batch, self.seed = num_samples, global_batch, seed
+        self.order = order
+        self.epoch = self.offset = 0
+        self.reshard(rank, world_size, accumulation)
+
+    def reshard(self, rank: int, world_size: int, accumulation: int) -> None:
+        """Be ``rank`` of ``world_size`` workers, ``accumulation`` micro-steps each, from
+        the current position on (a job in place whose workers changed). ConfigError for
+        values that do not fit together, naming what would."""
+        global_batch = self.global_batch
         check_world_size(global_batch, world_size)
         if accumulation < 1 or global_batch % (world_size * accumulation):
             raise ConfigError(
@@ -119,14 +132,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is not one of the {world_size} workers "
                               f"(0..{world_size - 1})")
-        if global_batch > num_samples:
-            raise ConfigError(f"the global batch of {global_batch} samples is larger than the "
-                              f"dataset ({num_samples} samples): an epoch would have no step")
-        self.num_samples, self.global_batch, self.seed = num_samples, global_batch, seed
         self.rank, self.world_size, self.accumulation = rank, world_size, accumulation
         self.batch_size = global_batch // (world_size * accumulation)  # B, per micro-step
-        self.order = order
-        self.epoch = self.offset = 0
 
     @property
     def position(self) -> tuple[int, int]:

@@ -306,10 +306,20 @@ def test_engine_options_come_as_an_object_or_as_keywords_over_it(tmp_path):
      "az://container/prefix or file:///path"),
     ({"checkpoint": spotring.CheckpointOptions(keep=5), "poll_seconds": 1},
      None),  # a TypeError: init has no such keyword (PreemptionOptions has)
+    ({"in_place": "auto", "min_workers": 2},
+     "elastic.min_workers=2 with 1 workers: the job would stop at its first loss; valid "
+     "here: 1 to 1"),
+    ({"in_place": "on", "engine": "fsdp"},
+     "elastic.in_place=on: engine=fsdp cannot form its process group anew as workers leave "
+     "and join"),
+    ({"in_place": "sometimes"}, "elastic.in_place=sometimes: unknown; valid: off, auto, on"),
+    ({"elastic": spotring.ElasticOptions(in_place="auto", rendezvous="nowhere")},
+     "elastic.rendezvous=nowhere: expected host:port"),
 ])
 def test_an_option_the_engine_or_its_class_lacks_exits_2_naming_what_is_valid(
         tmp_path, monkeypatch, capsys, options, says):
     monkeypatch.chdir(tmp_path)  # where the run directory would be: runs/<script>
+    monkeypatch.setenv("SPOTRING_RENDEZVOUS", "127.0.0.1:1")  # in place: refused unasked
     if says is None:
         with pytest.raises(TypeError, match="poll_seconds"):
             spotring.init(**options)

@@ -187,7 +187,8 @@ class Checkpointer:
         try:
             self._publish(*args)
         except BaseException as e:  # raised on the training thread, by wait()
-            self._failed = e
+            if threading.current_thread() is self._pending:  # not one given up
+                self._failed = e
 
     def step_taken(self) -> None:
         """Once per optimizer step, on the training thread: where the background save in
@@ -215,6 +216,22 @@ class Checkpointer:
                 raise failed
             self._report(self.saved)
         return True
+
+    def abandon(self) -> None:
+        """In place, a worker lost: the background save in flight (its collectives met
+        the lost worker, or will) is given up, said in a line; the checkpoint before it
+        stands, and its thread ends once the group it waits in is gone (regrouped)."""
+        if self._pending is None:
+            return
+        step = self.saved_step
+        self._pending, self._failed = None, None
+        log.warning("the checkpoint of step %s, begun in the background, was given up: a "
+                    "worker was lost while it was written", step)
+
+    def regrouped(self) -> None:
+        """In place: the ranks are others now; the checkpoints' collectives are formed
+        again over them at the next save or restore."""
+        self._comm = None
 
     def _warn_if_too_slow(self, saved: Saved) -> None:
         """Rank 0, once: say so where a checkpoint takes longer than the notice gives."""

@@ -42,7 +42,7 @@ from spotring.exits import ConfigError
 from spotring.options import EngineOptions, require_one_of
 from spotring.runtime import Launch
 
-__all__ = ["Engine", "OptimizerFactory", "Registered", "check", "create",
+__all__ = ["Engine", "OptimizerFactory", "Registered", "check", "create", "in_place_problem",
            "is_collective_failure", "options_for", "register", "registry"]
 
 
@@ -52,26 +52,29 @@ class Registered:
 
     options: its EngineOptions class. create(options, launch, device): the engine,
     joined. check(options, launch, device): raises ConfigError where this launch or
-    device cannot run it, before anything starts (None: nothing beyond the options)."""
+    device cannot run it, before anything starts (None: nothing beyond the options).
+    in_place: it can form its process group anew, in place, as workers leave and join
+    (spotring/elastic/): create then takes the group to join, a process_group.Group."""
 
     name: str
     options: type[EngineOptions]
-    create: Callable[[Any, Launch, torch.device], Engine]
+    create: Callable[..., Engine]
     check: Callable[[Any, Launch, torch.device], None] | None = None
+    in_place: bool = False
 
 
 _registered: dict[str, Registered] = {}
 _discovered = False
 
 
-def register(name: str, options: type[EngineOptions],
-             create: Callable[[Any, Launch, torch.device], Engine],
-             check: Callable[[Any, Launch, torch.device], None] | None = None) -> None:
+def register(name: str, options: type[EngineOptions], create: Callable[..., Engine],
+             check: Callable[[Any, Launch, torch.device], None] | None = None, *,
+             in_place: bool = False) -> None:
     """Make engine ``name`` known (an engine module calls this when imported); the
     ``name`` of its options class defaults to it."""
     if options().name != name:
         raise TypeError(f"{options.__name__}.name must default to {name!r}")
-    _registered[name] = Registered(name, options, create, check)
+    _registered[name] = Registered(name, options, create, check, in_place)
 
 
 def registry() -> dict[str, Registered]:
@@ -123,9 +126,24 @@ def check(options: EngineOptions, launch: Launch, device: torch.device) -> None:
         engine.check(options, launch, device)
 
 
-def create(options: EngineOptions, launch: Launch, device: torch.device) -> Engine:
-    """The engine ``options`` name, joined to the job's other ranks."""
-    return _engine(options).create(options, launch, device)
+def create(options: EngineOptions, launch: Launch, device: torch.device,
+           group: Any = None) -> Engine:
+    """The engine ``options`` name, joined to the job's other ranks: the launcher's, or
+    where ``group`` is given (a process_group.Group, for an engine that runs in place),
+    those of that group."""
+    if group is None:
+        return _engine(options).create(options, launch, device)
+    return _engine(options).create(options, launch, device, group=group)
+
+
+def in_place_problem(options: EngineOptions) -> str | None:
+    """Why engine ``options`` cannot run in place (spotring.ElasticOptions), or None."""
+    if _engine(options).in_place:
+        return None
+    able = ", ".join(n for n, r in registry().items() if r.in_place)
+    return (f"engine={options.name} cannot form its process group anew as workers leave "
+            f"and join (FSDP's shards and Horovod's controller go with a lost worker); "
+            f"valid in place: {able}")
 
 
 def is_collective_failure(error: BaseException) -> bool:

@@ -18,6 +18,7 @@ engine.timeout_s (engines/mpi.py), so a hung rank fails the others as under Gloo
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ from torch.optim import Optimizer
 from spotring.engines import register
 from spotring.engines.base import Engine, OptimizerFactory, built
 from spotring.engines.mpi import MPISums, sum_hook
-from spotring.engines.process_group import ProcessGroupEngine, backend_of
+from spotring.engines.process_group import Group, ProcessGroupEngine, backend_of
 from spotring.exits import exit_peer_lost
 from spotring.options import EngineOptions, positive
 from spotring.runtime import Launch
@@ -102,8 +103,10 @@ class SingleProcess(Engine):
 class DDPEngine(ProcessGroupEngine):
     name = "ddp"
 
-    def __init__(self, options: DDPOptions, launch: Launch, device: torch.device) -> None:
-        super().__init__(options, launch, device)
+    def __init__(self, options: DDPOptions, launch: Launch, device: torch.device,
+                 group: Group | None = None) -> None:
+        super().__init__(options, launch, device, group)
+        self._wrapped: nn.Module | None = None  # what prepare returned
         if self.backend == "mpi":
             from mpi4py import MPI
 
@@ -119,23 +122,44 @@ class DDPEngine(ProcessGroupEngine):
         optimizer = built(optimizer, model)
         # DDP's constructor broadcasts rank 0's parameters and buffers to all ranks;
         # rank 0 loaded the checkpoint on resume, so everyone resumes from it.
+        wrapped = InPlaceDDP(model, self._ddp_of) if self.in_place else self._ddp_of(model)
+        self._broadcast_optimizer_state(optimizer)
+        self._wrapped = wrapped
+        return wrapped, optimizer
+
+    def _ddp_of(self, model: nn.Module) -> DistributedDataParallel:
         ddp = DistributedDataParallel(
             model,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
             bucket_cap_mb=self.options.bucket_mb,
             gradient_as_bucket_view=True,
+            # In place, forward runs no collective: a lost worker is met in backward's
+            # allreduce, which the hook below survives. Buffers (BatchNorm's statistics)
+            # are then each rank's own, as under FSDP.
+            broadcast_buffers=not self.in_place,
         )
         if self.backend == "mpi":
             ddp.register_comm_hook(self._mpi_sums, sum_hook)
-        self._broadcast_optimizer_state(optimizer)
-        return ddp, optimizer
+        elif self.in_place:
+            ddp.register_comm_hook(self, _mean_or_failed)
+        return ddp
+
+    def drop_group(self) -> None:
+        if isinstance(self._wrapped, InPlaceDDP):
+            self._wrapped.drop()  # its reducer holds the group
+        super().drop_group()
+
+    def regroup(self, group: Group) -> None:
+        super().regroup(group)
+        if isinstance(self._wrapped, InPlaceDDP):
+            self._wrapped.regroup()
 
     def _broadcast_optimizer_state(self, optimizer: Optimizer) -> None:
         # DDP syncs the module, not the optimizer: momentum buffers come from rank 0 too.
         optimizer.load_state_dict(self.broadcast_object(optimizer.state_dict()))
 
     def no_sync(self, model: nn.Module):
-        if isinstance(model, DistributedDataParallel):
+        if isinstance(model, DistributedDataParallel | InPlaceDDP):
             return model.no_sync()
         return super().no_sync(model)
 
@@ -154,8 +178,73 @@ class DDPEngine(ProcessGroupEngine):
         exit_peer_lost(self.describe_failure(dist.DistBackendError(message)))
 
 
-def _create(options: DDPOptions, launch: Launch, device: torch.device) -> Engine:
-    return (SingleProcess if launch.world_size == 1 else DDPEngine)(options, launch, device)
+class InPlaceDDP(nn.Module):
+    """The model under DDP in a job in place: a DDP made anew over each process group the
+    job forms (``regroup``), every rank's the same as a fresh one (its buckets laid out
+    alike: a DDP kept from before would lay them out by its own history, and the ranks'
+    allreduce would add up unlike gradients), around the same ``module`` (its
+    parameters, the optimizer's, stay). ``module`` is the plain model, as DDP's is."""
+
+    def __init__(self, module: nn.Module,
+                 make: Callable[[nn.Module], DistributedDataParallel]) -> None:
+        super().__init__()
+        self.module, self._make = module, make
+        object.__setattr__(self, "_ddp", make(module))  # not a submodule: module is
+
+    def regroup(self) -> None:
+        """DDP over the process group formed now (its constructor sends rank 0's weights
+        to all)."""
+        object.__setattr__(self, "_ddp", self._make(self.module))
+
+    def drop(self) -> None:
+        """Let go of the DDP of a group that is broken (and of the group with it)."""
+        object.__setattr__(self, "_ddp", None)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._ddp(*args, **kwargs)
+
+    def no_sync(self):
+        return self._ddp.no_sync()
 
 
-register("ddp", DDPOptions, create=_create)
+def _mean_or_failed(engine: DDPEngine, bucket):  # DDP checks no annotation here
+    """DDP's allreduce of a bucket in place: the mean over the current group, or, where a
+    worker is lost (the allreduce fails, or is given up: ProcessGroupEngine.give_up),
+    zeros and the failure kept by the engine (the step is then taken again once the group
+    is formed anew: spotring/elastic/in_place.py)."""
+    buffer, size = bucket.buffer(), engine.world_size
+    result: torch.futures.Future = torch.futures.Future()
+    lock = threading.Lock()
+
+    def end(value: torch.Tensor | None) -> None:
+        with lock:
+            if not result.done():
+                result.set_result(torch.zeros_like(buffer) if value is None else value)
+
+    if engine.failure is not None:  # a bucket before failed: the group is broken
+        end(None)
+        return result
+    landed = engine.in_flight(lambda: end(None))
+
+    def done(future: torch.futures.Future) -> None:
+        landed()
+        try:
+            value = future.value()[0].div_(size)
+        except Exception as e:
+            engine.failed(e)
+            value = None
+        end(None if engine.failure is not None else value)
+
+    dist.all_reduce(buffer, async_op=True).get_future().add_done_callback(done)
+    return result
+
+
+def _create(options: DDPOptions, launch: Launch, device: torch.device,
+            group: Group | None = None) -> Engine:
+    # In place, even one worker forms a group: another may join it.
+    if launch.world_size == 1 and group is None:
+        return SingleProcess(options, launch, device)
+    return DDPEngine(options, launch, device, group)
+
+
+register("ddp", DDPOptions, create=_create, in_place=True)

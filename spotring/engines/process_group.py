@@ -4,22 +4,34 @@ they do over it alike: the small sums, the object broadcasts, naming lost ranks,
 The group is joined through a TCPStore whose address comes from the launcher (runtime.py's
 table); the same store later tells survivors of a failure which ranks are gone. Every
 collective gives up after engine.timeout_s.
+
+In place (spotring/elastic/), the group is a ``Group`` of the job's rendezvous store
+instead, formed anew (``regroup``) as workers leave and join; a collective that fails
+then does not raise: the engine keeps the failure (``failure``) for the job to act on at
+its next step boundary, and the sum comes back as this rank's own values. A collective
+in flight is given up (``give_up``) once the job hears of a failure elsewhere, through
+its rendezvous store: with a worker lost, a rank can wait in a collective for a peer
+that waits in another, until engine.timeout_s, however soon the others know.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import socket
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from spotring.engines import is_collective_failure
 from spotring.engines.base import Engine
 from spotring.options import EngineOptions
 from spotring.polling import poll
@@ -112,6 +124,16 @@ def _horovodrun_rendezvous(launch: Launch, timeout: timedelta) -> dist.Store:
     return _tcp_store(*_split(address), launch, False, timeout)
 
 
+@dataclass(frozen=True)
+class Group:
+    """A process group to join in place: through ``store`` (prefixed for this group
+    alone), as ``rank`` of ``world_size``."""
+
+    store: dist.Store
+    rank: int
+    world_size: int
+
+
 def backend_of(options: EngineOptions, device: torch.device) -> str:
     """The transport the backend option names: auto is NCCL on GPUs, Gloo on CPUs."""
     if options.backend == "auto":
@@ -122,31 +144,125 @@ def backend_of(options: EngineOptions, device: torch.device) -> str:
 class ProcessGroupEngine(Engine):
     """An engine over the default torch.distributed group, joined in the constructor
     with the ``options`` (EngineOptions: backend, timeout_s) on the ``launch``'s ranks,
-    this one on ``device``. Subclasses prepare the model; the collectives, the roll call
-    of a failure and leaving are here."""
+    this one on ``device``; or, in place, on ``group``'s. Subclasses prepare the model;
+    the collectives, the roll call of a failure, forming the group anew and leaving are
+    here."""
 
-    def __init__(self, options: EngineOptions, launch: Launch, device: torch.device) -> None:
+    def __init__(self, options: EngineOptions, launch: Launch, device: torch.device,
+                 group: Group | None = None) -> None:
         self.options = options
-        self.rank, self.world_size = launch.rank, launch.world_size
         self.local_rank, self.device = launch.local_rank, device
         self.backend = backend_of(options, device)
         self.timeout = timedelta(seconds=options.timeout_s)
-        self.store = rendezvous(launch, self.timeout)
+        self.in_place = group is not None
+        self.failure: BaseException | None = None  # in place: this step's failed collective
+        # In place: the collectives in flight, each given up on a failure (give_up).
+        self._in_flight: dict[int, Callable[[], None]] = {}
+        self._in_flight_lock, self._keys = threading.Lock(), itertools.count()
+        self._join(group or Group(rendezvous(launch, self.timeout), launch.rank,
+                                  launch.world_size))
+
+    def _join(self, group: Group) -> None:
+        self.store, self.rank, self.world_size = group.store, group.rank, group.world_size
         dist.init_process_group(
             # engine.backend=mpi: the group is Gloo, and DDP sums the gradients over MPI.
             "gloo" if self.backend == "mpi" else self.backend,
             store=dist.PrefixStore("pg", self.store), rank=self.rank,
             world_size=self.world_size, timeout=self.timeout,
-            device_id=device if device.type == "cuda" else None,
+            device_id=self.device if self.device.type == "cuda" else None,
         )
         # Who runs where, for error messages about lost ranks.
         self.ranks = self.all_gather_object(f"{socket.gethostname()} pid {os.getpid()}")
 
+    def drop_group(self) -> None:
+        """In place: leave the process group now, closing its connections (once the last
+        reference to it is gone: gc), so that a peer still waiting in one of its
+        collectives for this rank is freed at once (it fails, and answers the roll call
+        too)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
+
+    def regroup(self, group: Group) -> None:
+        """In place: leave the process group (drop_group) and join ``group``."""
+        self.drop_group()
+        self.failure = None
+        self._join(group)
+
+    def failed(self, error: BaseException) -> None:
+        """In place: a collective of this step failed with ``error`` (a lost worker): kept
+        for the job's next step boundary (the first such error of the step). No other
+        collective of the group is started: with a worker gone, one could wait for a peer
+        that waits elsewhere, until engine.timeout_s. (Called from DDP's hook too, on a
+        Gloo thread: the group is dropped from the training thread, at once after.)"""
+        self.failure = self.failure or error
+
+    def give_up(self, error: BaseException) -> None:
+        """In place: a worker is lost (another rank met it: ``error`` says so); every
+        collective of this rank in flight ends now, as failed (from any thread)."""
+        self.failed(error)
+        with self._in_flight_lock:
+            ends, self._in_flight = list(self._in_flight.values()), {}
+        for end in ends:
+            end()
+
+    def in_flight(self, end: Callable[[], None]) -> Callable[[], None]:
+        """In place: a collective started, which ``end`` ends as failed where it is
+        given up; returns what to call once it ended by itself."""
+        with self._in_flight_lock:
+            key = next(self._keys)
+            self._in_flight[key] = end
+
+        def landed() -> None:
+            with self._in_flight_lock:
+                self._in_flight.pop(key, None)
+
+        return landed
+
+    def _sum(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """In place: start the sum of ``tensor``; the returned function waits for it and
+        returns it, or this rank's own values where the collective failed or was given
+        up (the engine's ``failure`` says which)."""
+        if self.failure is not None:  # the group is broken: no collective can complete
+            return lambda: tensor
+        ended = threading.Event()
+        landed = self.in_flight(ended.set)
+        try:
+            future = dist.all_reduce(tensor, async_op=True).get_future()
+        except Exception as e:
+            if not is_collective_failure(e):
+                raise
+            self.failed(e)
+            ended.set()
+            future = None
+        else:
+            future.add_done_callback(lambda f: ended.set())
+
+        def done() -> torch.Tensor:
+            ended.wait()
+            landed()
+            if future is not None and future.done() and self.failure is None:
+                try:
+                    future.wait()
+                except Exception as e:
+                    if not is_collective_failure(e):
+                        raise
+                    self.failed(e)
+            if self.failure is not None:
+                self.drop_group()
+            return tensor
+
+        return done
+
     def all_reduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        if self.in_place:
+            return self._sum(tensor)()
         dist.all_reduce(tensor)
         return tensor
 
     def start_sum(self, tensor: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
+        if self.in_place:
+            return self._sum(tensor)
         work = dist.all_reduce(tensor, async_op=True)
         return lambda: (work.wait(), tensor)[1]
 
@@ -194,6 +310,13 @@ class ProcessGroupEngine(Engine):
                 return missing()
         except Exception:  # any store failure means its server (rank 0 or the agent) is gone
             return None
+
+    def leave(self) -> None:
+        """In place: leave the job at once, without the others (who go on, or have
+        formed a group of their own already): no barrier at ``shutdown``."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
 
     def shutdown(self) -> None:
         """Leave together, then free the process group while the interpreter is whole.

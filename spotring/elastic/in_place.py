@@ -1,0 +1,284 @@
+"""A rank's part of a job in place: the other workers go on when one is lost or leaves,
+and a new one joins at a step boundary, with the same global batches.
+
+Every step of a job in place ends at ``job.should_stop()``, the step boundary where the
+ranks agree on everything (spotring/preemption.py's vote). What happens there:
+
+- nothing changed: the small tracked objects' states (the loader's position, schedulers,
+  the script's dicts: never the model or the optimizer) are kept, as they stand between
+  two steps (``commit``);
+- a collective of this step failed (a worker lost without notice: its connections
+  closed, or it stopped answering within engine.timeout_s): DDP's allreduce hook gave
+  zeros and the optimizer skipped its step (``watch``), so the step is dropped. The
+  survivors answer a roll call in the rendezvous store and form the next generation of
+  members from who answered, form the process group anew, go back to the kept states,
+  and take the same global batch again, split over the ranks they have;
+- the vote names workers whose node has a notice (or a SIGTERM): every rank writes the
+  checkpoint of this step (ElasticOptions.save_on_leave), those workers leave (exit 75),
+  the others form the group anew and go on;
+- the vote says processes asked to join (``spotring.init`` with the job's rendezvous, in
+  a process of its own, then ``job.restore()``): the members and they form the group
+  anew, and the rank that has taken the most steps sends the model, the optimizer and
+  the small states to every rank, which takes them.
+
+Where the survivors cannot go on with the same global batch (it does not split over
+them, or fewer than ElasticOptions.min_workers are left), they take today's path: a
+checkpoint, and exit 75 on every rank, with a line that says why. A lost worker costs
+the step in flight, the roll call (until every member answered or its heartbeat stood
+still for rendezvous.py's DEAD_S) and forming the group; a notice, the checkpoint and
+forming the group.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from spotring import contract
+from spotring.elastic.rendezvous import BEAT_S, Generation, Rendezvous, connect
+from spotring.engines.process_group import Group
+from spotring.exits import ConfigError
+from spotring.global_batch import split_global_batch
+from spotring.loader import DataLoader
+from spotring.options import ElasticOptions
+
+if TYPE_CHECKING:
+    from spotring.job import Job
+
+log = logging.getLogger("spotring")
+
+
+class InPlace:
+    """This process's membership of a job in place, as ``rendezvous``'s member, in
+    ``generation`` (``joining``: not yet a member; its group is its own until
+    ``job.restore()`` takes it in)."""
+
+    def __init__(self, options: ElasticOptions, rendezvous: Rendezvous,
+                 generation: Generation | None) -> None:
+        self.options, self.rendezvous = options, rendezvous
+        self.generation = generation or Generation(-1, (rendezvous.name,))
+        self.joining = generation is None
+        self.applied = 0  # optimizer steps this process applied
+        self._stepped = False  # the optimizer ran this step (since the last boundary)
+        self._skipped = False  # ... and skipped its update (a lost worker)
+        self._kept: dict[str, Any] = {}  # the small states at the last step boundary
+        self.engine: Any = None  # the job's, once made (the heartbeat gives it up)
+        self._switch = threading.Lock()  # held to change generation (and its failure)
+        self._beating = threading.Event()  # set: the heartbeat stops
+        self.changes: list[dict[str, Any]] = []  # each change of members, for the summary
+
+    @classmethod
+    def begin(cls, options: ElasticOptions, rank: int, world_size: int,
+              timeout_s: float) -> tuple[InPlace, Group]:
+        """Meet the job in its rendezvous store: as a founder, the ``rank`` of the
+        ``world_size`` a launcher started together; or, where the job began without this
+        process, as one that will join. Returns the group to form now. ConfigError where
+        the store cannot be reached."""
+        try:
+            store = connect(str(options.rendezvous), timeout_s)
+        except ConnectionError as e:
+            raise ConfigError(f"elastic.rendezvous={options.rendezvous}: {e}") from None
+        name = contract.member() or f"{socket.gethostname()}:{os.getpid()}"
+        rendezvous = Rendezvous(store, name, timeout_s)
+        self = cls(options, rendezvous, None)
+        self._beat(Rendezvous(connect(str(options.rendezvous), timeout_s), name, timeout_s))
+        generation = rendezvous.found(rank, world_size)
+        if generation is not None:
+            self.generation, self.joining = generation, False
+        if generation is None:  # alone until the members take it in (job.restore)
+            return self, Group(dist.HashStore(), 0, 1)
+        return self, self._group(generation)
+
+    def _beat(self, rendezvous: Rendezvous) -> None:
+        """This process's heartbeat, every BEAT_S from a thread of its own (over a client
+        of its own), until ``close``: the roll call after a failure tells the gone from
+        the slow by it. The same thread carries a failure to the others: this rank's,
+        where one of its collectives failed, and another's, on which it gives up every
+        collective it waits in (a rank can wait for a peer that waits in another
+        collective, until engine.timeout_s)."""
+        def beating() -> None:
+            told = None  # the generation whose failure this rank told
+            while not self._beating.wait(BEAT_S):
+                with self._switch:  # the generation and its failure, as one
+                    number, engine = self.generation.number, self.engine
+                    failure = None if engine is None else engine.failure
+                try:
+                    rendezvous.beat()
+                    if engine is None or self.joining:
+                        continue
+                    if failure is not None and told != number:
+                        rendezvous.flag_failed(number)
+                        told = number
+                    elif failure is None and (who := rendezvous.failed_in(number)):
+                        with self._switch:
+                            if self.generation.number == number:  # not formed anew since
+                                engine.give_up(ConnectionError(
+                                    f"{who} met a lost worker in generation {number}"))
+                except Exception:  # the store out of reach for a moment: the next may do
+                    continue
+
+        rendezvous.beat()
+        threading.Thread(target=beating, name="spotring-heartbeat", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop the heartbeat: this process leaves the job."""
+        self._beating.set()
+
+    def _group(self, generation: Generation) -> Group:
+        return Group(dist.PrefixStore(generation.prefix, self.rendezvous.store),
+                     generation.rank_of(self.rendezvous.name), len(generation.members))
+
+    # ------------------------------------------------------------------ the steps
+
+    def watch(self, optimizer: Optimizer, failed: Callable[[], bool],
+              drop: Callable[[], None]) -> None:
+        """Make ``optimizer`` skip the update of a step whose collectives ``failed``
+        (every gradient set to None: torch's optimizers step only the parameters that
+        have one), then ``drop`` the broken group; and count the updates it applies."""
+        def before(opt: Optimizer, args: Any, kwargs: Any) -> None:
+            self._stepped, self._skipped = True, failed()
+            if self._skipped:
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        p.grad = None
+                drop()  # frees at once the survivors that wait for this rank
+
+        def after(opt: Optimizer, args: Any, kwargs: Any) -> None:
+            self.applied += not self._skipped
+
+        optimizer.register_step_pre_hook(before)
+        optimizer.register_step_post_hook(after)
+
+    def commit(self, job: Job) -> None:
+        """Keep the small tracked states as they stand at this step boundary."""
+        self._kept = copy.deepcopy(job._small_states())
+        self._stepped = self._skipped = False
+
+    def boundary(self, job: Job, leaving: tuple[int, ...], joining: int) -> bool:
+        """At ``job``'s step boundary, after the vote (which named the ranks ``leaving``
+        and the number of processes ``joining``): go on in place, or take today's path.
+        Returns whether this rank stops (it leaves, or today's path stops them all)."""
+        engine = job.engine
+        if engine.failure is not None:
+            return self._lost(job, engine.failure)
+        if not (leaving or joining):
+            self.commit(job)
+            return False
+        job._wait_for_saves()
+        members = list(self.generation.members)
+        stay = [m for r, m in enumerate(members) if r not in leaving]
+        if leaving and (why := _cannot_go_on(job, len(stay) + joining, self.options)):
+            return job._stop_all(f"{len(leaving)} worker(s) leave and {why}")
+        if leaving and self.options.save_on_leave:
+            job.save(background=False)
+        if job.rank in leaving:
+            job._leave("a notice on this worker's node: the others go on in place")
+            return True
+        started = time.monotonic()
+        newcomers = self.rendezvous.joiners(self.generation, joining)
+        nxt = self.rendezvous.record(self.generation.number + 1, stay + newcomers,
+                                     self.generation.admitted + joining)
+        self._form(job, nxt, "leave" if leaving else "join", started)
+        return False
+
+    def _lost(self, job: Job, error: BaseException) -> bool:
+        """A collective of this step failed: the roll call, the group formed anew, the
+        step dropped (taken again, split over the ranks there are) unless this rank took
+        it already; today's path where the rest cannot go on."""
+        started = time.monotonic()
+        log.warning("a worker was lost (%s: %s); the others go on in place",
+                    type(error).__name__, str(error).splitlines()[0][:200])
+        job._abandon_saves()
+        job._drop_group()  # frees the survivors still waiting on this rank
+        if self._stepped and not self._skipped:
+            self.commit(job)  # this rank's update went through: the step counts here
+        else:
+            job._load_small_states(copy.deepcopy(self._kept))
+        nxt = self.rendezvous.survivors(self.generation)
+        if self.rendezvous.name not in nxt.members:  # answered too late: join again
+            self.rendezvous.ask_to_join()
+            nxt = self.rendezvous.admitted(nxt.number)
+        self._form(job, nxt, "lost", started)
+        if why := _cannot_go_on(job, len(nxt.members), self.options):
+            job.save(background=False)
+            return job._stop_all(f"a worker was lost and {why}")
+        return False
+
+    def join(self, job: Job) -> int | None:
+        """``job.restore()`` of a process that is joining: ask the members to take it in,
+        wait for the generation that does (engine.timeout_s), form the group with them
+        and take the state from the rank with the most steps. Returns the step it joins
+        at."""
+        started = time.monotonic()
+        self.rendezvous.ask_to_join()
+        log.warning("asked to join the job at %s as %s", self.options.rendezvous,
+                    self.rendezvous.name)
+        nxt = self.rendezvous.admitted(self.generation.number)
+        self.joining = False
+        self._form(job, nxt, "joined", started)
+        return job.step_count
+
+    def _form(self, job: Job, generation: Generation, why: str, started: float) -> None:
+        """Form ``generation``'s group, and every rank takes the state of the one that
+        has taken the most steps where they differ (or one is new)."""
+        before = len(self.generation.members)
+        with self._switch:
+            self.generation = generation
+            job.engine.failure = None  # the last generation's
+        job._regroup(self._group(generation))
+        steps = job.engine.all_gather_object(self.applied)
+        source = steps.index(max(steps))
+        if min(steps) != max(steps):
+            _send_state(job, source)
+            self.applied = steps[source]
+        self.commit(job)
+        seconds = time.monotonic() - started
+        self.changes.append({"step": job.step_count, "why": why, "workers": [
+            before, len(generation.members)], "seconds": round(seconds, 3)})
+        log.warning("in place: %d -> %d workers at step %d (%s) in %.2f s", before,
+                    len(generation.members), job.step_count, why, seconds)
+
+
+def _cannot_go_on(job: Job, workers: int, options: ElasticOptions) -> str | None:
+    """Why ``workers`` cannot go on in place with the job's global batch, or None."""
+    if workers < options.min_workers:
+        return (f"{workers} would be left, fewer than elastic.min_workers="
+                f"{options.min_workers}: today's path (a checkpoint, exit 75)")
+    loaders = [o for o in job._tracked.values() if isinstance(o, DataLoader)]
+    for loader in loaders:
+        try:
+            split_global_batch(loader.global_batch, workers, loader.batch_size_cap)
+        except ConfigError:
+            return (f"the global batch of {loader.global_batch} does not split over "
+                    f"{workers} workers: today's path (a checkpoint, exit 75)")
+    return None
+
+
+def _send_state(job: Job, source: int) -> None:
+    """Rank ``source``'s model weights and buffers, optimizer state and small states, on
+    every rank (a collective): the replicas of a DDP job in place are one again."""
+    from spotring.checkpoint.manager import unwrap
+
+    for obj in job._tracked.values():
+        if isinstance(obj, nn.Module):
+            with torch.no_grad():
+                for tensor in [*unwrap(obj).parameters(), *unwrap(obj).buffers()]:
+                    dist.broadcast(tensor.data, src=source)
+    states = [{name: obj.state_dict() for name, obj in job._tracked.items()
+               if isinstance(obj, Optimizer)} | {"small": job._small_states()}]
+    dist.broadcast_object_list(states, src=source)
+    for name, obj in job._tracked.items():
+        if isinstance(obj, Optimizer):
+            obj.load_state_dict(states[0][name])
+    job._load_small_states(states[0]["small"])

@@ -1,0 +1,142 @@
+"""Elasticity in place (spotring/elastic/): a job whose workers are lost, leave on a
+notice, and join, trains on without restarting a surviving process, and ends with one
+uninterrupted run's weights; where the others cannot go on, today's path, said so; a bad
+setting is refused before anything starts.
+
+The ranks are spawned by the test (harness/ranks.py) and run harness/workloads.py's
+``in_place``, ``residual``'s float64 training in a job in place, against a rendezvous store
+served by `spotring rendezvous` in a process of its own, as a machine that outlives the
+nodes would serve it. A lost worker is a rank SIGKILLed (its connections close, as a
+vanished node's process's do when the kernel goes with it; a host cut off without
+closing them is met at engine.timeout_s instead); a notice is SIGTERM, as the OS sends it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import signal
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+import spotring
+from harness import ranks, workloads
+from harness.ranks import Ranks
+from spotring.exits import EXIT_CONFIG, EXIT_PREEMPTED
+from spotring.launch.commands import BIN
+from tests.conftest import assert_close
+
+STEPS = 16
+
+
+@pytest.fixture
+def rendezvous(monkeypatch) -> Iterator[str]:
+    """`spotring rendezvous` on a free port, as its user starts it; its host:port, set as
+    $SPOTRING_RENDEZVOUS (and so in the ranks)."""
+    server = subprocess.Popen([str(BIN / "spotring"), "rendezvous", "--host", "127.0.0.1",
+                               "--port", "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline()  # the event: the store answers from now on
+        address = re.fullmatch(r"spotring: rendezvous at (\S+)\n", line)
+        assert address, line
+        monkeypatch.setenv("SPOTRING_RENDEZVOUS", address[1])
+        yield address[1]
+    finally:
+        server.kill()
+        server.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process alone, uninterrupted: (losses by step, weights)."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    output = ranks.run(run_dir, 1, workloads.residual, steps=STEPS)
+    return ranks.losses(output), workloads.weights(run_dir)
+
+
+def changes(job: Ranks) -> int:
+    """How many changes of workers the job has made (each member logs each)."""
+    return len(set(re.findall(r"^spotring: in place: \d+ -> \d+ workers at step \d+ "
+                              r"\((?:lost|leave|join)\)", job.output(), re.M)))
+
+
+def rank_0(job: Ranks) -> int:
+    """The process that is rank 0 now: the one that printed the newest step."""
+    newest = {index: max(ranks.losses(job.output(index)), default=0)
+              for index in job.running()}
+    return max(newest, key=newest.get)
+
+
+@pytest.mark.slow
+def test_losses_notices_and_joins_change_the_workers_in_place_and_end_exact(
+        tmp_path, rendezvous, reference):
+    """A seeded schedule on 4 workers: rank 0's process is killed, another's is killed,
+    one gets a notice, and two new processes join: the world size changes in place 5
+    times (4, 3, 2, 3, 4, 3), no surviving process restarts, every step stands once with
+    the uninterrupted run's loss, and the weights end equal to 1e-10."""
+    chance = random.Random(58)
+    run_dir = tmp_path / "run"
+    with Ranks(run_dir, 4, workloads.in_place, steps=STEPS) as job:
+        def after(step: int, change: int) -> None:  # the change made, at least the step
+            assert job.until(lambda: changes(job) >= change and job.step() >= step,
+                             f"change {change} and step {step}", while_any=True)
+
+        after(2, 0)
+        job.signal(rank_0(job), signal.SIGKILL)  # rank 0's node gone: 3 left
+        after(4, 1)
+        job.signal(chance.choice(job.running()), signal.SIGTERM)  # a notice: 2 left
+        after(6, 2)
+        joined = [job.start_another()]  # 3
+        after(8, 3)
+        joined.append(job.start_another())  # 4
+        after(10, 4)
+        job.signal(chance.choice(job.running()), signal.SIGKILL)  # 3 left
+        codes = job.wait()
+        output = job.output()
+    assert sorted(codes) == sorted([-9, -9, EXIT_PREEMPTED, 0, 0, 0]), (codes, output[-6000:])
+    assert all(codes[index] == 0 for index in joined), codes
+    # Every step's loss as its ranks printed it, where it stood and their sum of the
+    # losses got through (a step whose sum met the lost worker stood without one).
+    losses = ranks.losses(output)
+    assert STEPS in losses and len(losses) >= STEPS - 2, output[-6000:]
+    for step, loss in losses.items():
+        assert abs(loss - reference[0][step]) <= 1e-10 * max(1.0, abs(reference[0][step])), step
+    assert_close(workloads.weights(run_dir), reference[1], 1e-10)
+    made = json.loads((run_dir / "summary.json").read_text())["in_place"]
+    assert [c["workers"] for c in made] == [[4, 3], [3, 2], [2, 3], [3, 4], [4, 3]], made
+    assert [c["why"] for c in made] == ["lost", "leave", "join", "join", "lost"], made
+    assert all(0 < c["seconds"] < 30 for c in made), made
+
+
+@pytest.mark.slow
+def test_too_few_to_go_on_take_todays_path_saying_why_and_the_run_resumes_exact(
+        tmp_path, rendezvous, reference):
+    """Two workers with elastic.min_workers=2: a lost one leaves the other below the
+    minimum, which writes the checkpoint of its step, says why, and exits 75; the run
+    then resumes from it (on 2 workers, a new job) to the uninterrupted run's weights."""
+    run_dir = tmp_path / "run"
+    with Ranks(run_dir, 2, workloads.in_place, steps=STEPS, min_workers=2) as job:
+        assert job.until(lambda: job.step() >= 4, "step 4")
+        job.signal(1, signal.SIGKILL)
+        assert job.wait()[0] == EXIT_PREEMPTED, job.output()[-4000:]
+        output = job.output(0)
+    assert "fewer than elastic.min_workers=2: today's path (a checkpoint, exit 75)" in output
+    step = json.loads((run_dir / "preempted.json").read_text())["step"]
+    assert 4 <= step < STEPS, output[-4000:]
+    # A new job in its own rendezvous: this one's generations are over.
+    rest = ranks.run(run_dir, 2, workloads.residual, steps=STEPS)
+    assert f"at step {step} " in rest, rest[-3000:]
+    assert_close(workloads.weights(run_dir), reference[1], 1e-10)
+
+
+def test_in_place_needs_a_rendezvous_store(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SPOTRING_RENDEZVOUS", raising=False)
+    with pytest.raises(SystemExit) as exit:
+        spotring.init(in_place="auto")
+    assert exit.value.code == EXIT_CONFIG
+    assert "elastic.in_place=auto needs a rendezvous store that outlives every training " \
+           "node" in capsys.readouterr().err

@@ -6,7 +6,9 @@ on a regression set kept as WebDataset shards in a store, read through
 Every step, each rank prints the keys of the samples it trained on (``keys STEP RANK
 KEY...``) and rank 0 the loss averaged over the ranks (``step N loss L``); it saves every
 ``save_every`` steps, stops on a notice with exit 75, and rank 0 leaves the model in
-weights.pt of the run directory (harness.workloads.weights reads it).
+weights.pt of the run directory (harness.workloads.weights reads it). In place
+(``in_place``: spotring/elastic/), each rank prints the keys of a step once it stood (not
+one taken again), with the world size it was taken on (``keys STEP RANK/WORLD KEY...``).
 """
 
 from __future__ import annotations
@@ -39,11 +41,13 @@ def decode(sample: dict[str, bytes]) -> tuple[torch.Tensor, torch.Tensor, str]:
 
 
 def train(uri: str, cache_dir: str, steps: int, save_every: int = 8,
-          hold_at: int | None = None, timeout_s: float | None = None) -> None:
+          hold_at: int | None = None, timeout_s: float | None = None,
+          in_place: bool = False) -> None:
     """Train ``steps`` steps on the shards at ``uri``, caching blocks in ``cache_dir``;
     ``hold_at``: rank 0 waits after printing that step until the test releases the run
-    (harness.workloads.release)."""
-    with spotring.init(seed=0, timeout_s=timeout_s) as job:
+    (harness.workloads.release); ``in_place``: a job in place, voting every step."""
+    elastic = {"in_place": "auto", "check_every_steps": 1} if in_place else {}
+    with spotring.init(seed=0, timeout_s=timeout_s, **elastic) as job:
         shards = spotring.Shards(uri, decode=decode, cache_dir=cache_dir)
         loader = job.loader(shards, GLOBAL_BATCH, num_workers=1)
         model, optimizer = job.wrap(*_model())
@@ -56,14 +60,20 @@ def train(uri: str, cache_dir: str, steps: int, save_every: int = 8,
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
-                print(f"keys {job.step_count} {job.rank} {' '.join(keys)}", flush=True)
+                taken = f"keys {job.step_count} {job.rank}"
+                if not in_place:
+                    print(f"{taken} {' '.join(keys)}", flush=True)
                 mean = job.all_reduce(loss.detach()).item()
+                stood = job.engine.failure is None
+                taken += f"/{job.world_size}"
                 if job.is_main:
                     print(f"step {job.step_count} loss {mean!r}", flush=True)
                     if job.step_count == hold_at:
                         workloads._held(job.run_dir)
                 if job.should_stop():
                     job.save_and_exit()
+                if in_place and stood:
+                    print(f"{taken} {' '.join(keys)}", flush=True)
                 if job.step_count % save_every == 0 and job.step_count < steps:
                     job.save(background=False)
                 if job.step_count >= steps:
@@ -89,3 +99,14 @@ def keys_by_step(output: str, world_size: int) -> dict[int, list[str]]:
         seen[int(step)][int(rank)] = keys.split()
     return {step: sorted(k for keys in ranks.values() for k in keys)
             for step, ranks in seen.items() if len(ranks) == world_size}
+
+
+def keys_in_place(output: str) -> dict[int, list[str]]:
+    """The keys of each step that stood (``train(in_place=True)``'s lines): those every
+    rank of the world size it stood on printed, each step's sorted."""
+    seen: dict[tuple[int, int], dict[int, list[str]]] = defaultdict(dict)
+    for step, rank, world, keys in re.findall(r"^keys (\d+) (\d+)/(\d+) (.*)$", output, re.M):
+        seen[int(step), int(world)][int(rank)] = keys.split()
+    return {step: sorted(k for keys in ranks.values() for k in keys)
+            for (step, world), ranks in seen.items() if len(ranks) == world}
+

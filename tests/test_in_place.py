@@ -23,10 +23,11 @@ from collections.abc import Iterator
 import pytest
 
 import spotring
-from harness import ranks, workloads
+from harness import ranks, shard_workload, workloads
 from harness.ranks import Ranks
 from spotring.exits import EXIT_CONFIG, EXIT_PREEMPTED
 from spotring.launch.commands import BIN
+from spotring.shards import write
 from tests.conftest import assert_close
 
 STEPS = 16
@@ -109,6 +110,41 @@ def test_losses_notices_and_joins_change_the_workers_in_place_and_end_exact(
     assert [c["workers"] for c in made] == [[4, 3], [3, 2], [2, 3], [3, 4], [4, 3]], made
     assert [c["why"] for c in made] == ["lost", "leave", "join", "join", "lost"], made
     assert all(0 < c["seconds"] < 30 for c in made), made
+
+
+@pytest.mark.slow
+def test_streamed_shards_keep_every_global_batchs_keys_through_a_loss_and_a_join(
+        tmp_path, s3, rendezvous):
+    """spotring.Shards from S3 on 3 workers in place: one is killed, a new one joins; every
+    step that stood (all but the one the loss dropped and took again) trained on the keys
+    of the uninterrupted run's global batch, and the weights end equal."""
+    uri = "s3://spotring/in-place"
+    write(shard_workload.samples(), uri, samples_per_shard=shard_workload.SAMPLES_PER_SHARD,
+          block_samples=shard_workload.BLOCK_SAMPLES, progress=False)
+    steps = 24
+    args = {"uri": uri, "steps": steps}
+    reference = tmp_path / "reference"
+    output = ranks.run(reference, 2, shard_workload.train, cache_dir=str(tmp_path / "c0"),
+                       **args)
+    expected = shard_workload.keys_by_step(output, 2)
+    run_dir = tmp_path / "run"
+    with Ranks(run_dir, 3, shard_workload.train, cache_dir=str(tmp_path / "c1"),
+               in_place=True, timeout_s=30, hold_at=10, **args) as job:
+        assert job.until(lambda: job.step() >= 6, "step 6")
+        job.signal(1, signal.SIGKILL)  # 2 left
+        assert job.until(lambda: changes(job) >= 1, "the loss's change", while_any=True)
+        joiner = job.start_another()  # 3 again, taken in once rank 0 goes on past step 10
+        assert job.until(lambda: "asked to join" in job.output(joiner), "the joiner's ask",
+                         while_any=True)
+        workloads.release(run_dir)
+        codes = job.wait()
+        output = job.output()
+    assert codes == [0, -9, 0, 0], (codes, output[-5000:])
+    history = shard_workload.keys_in_place(output)
+    assert all(history[s] == expected[s] for s in history), "a batch differs from the run's"
+    assert len(history) >= steps - 1 and steps in history, sorted(history)
+    assert {w for w in re.findall(r"^keys \d+ \d+/(\d+) ", output, re.M)} == {"2", "3"}
+    assert_close(workloads.weights(run_dir), workloads.weights(reference), 1e-10)
 
 
 @pytest.mark.slow

@@ -134,6 +134,12 @@ class Group:
     world_size: int
 
 
+def _end(held: list[Any]) -> None:
+    """Let go of the group ``held`` holds, and of what cycles still hold it, here."""
+    held.clear()
+    gc.collect()
+
+
 def backend_of(options: EngineOptions, device: torch.device) -> str:
     """The transport the backend option names: auto is NCCL on GPUs, Gloo on CPUs."""
     if options.backend == "auto":
@@ -175,13 +181,16 @@ class ProcessGroupEngine(Engine):
         self.ranks = self.all_gather_object(f"{socket.gethostname()} pid {os.getpid()}")
 
     def drop_group(self) -> None:
-        """In place: leave the process group now, closing its connections (once the last
-        reference to it is gone: gc), so that a peer still waiting in one of its
-        collectives for this rank is freed at once (it fails, and answers the roll call
-        too)."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        gc.collect()
+        """In place: leave the process group now. Its end is left to a thread of its own:
+        Gloo ends a group once the work queued in it has, and with a worker lost that
+        work can wait for a peer until engine.timeout_s (the peers give up their own
+        waits as the rendezvous store tells them of the failure: give_up)."""
+        if not dist.is_initialized():
+            return
+        broken = [dist.group.WORLD]
+        dist.destroy_process_group()  # its last reference is in ``broken`` now
+        threading.Thread(target=_end, args=(broken,), name="spotring-group-end",
+                         daemon=True).start()
 
     def regroup(self, group: Group) -> None:
         """In place: leave the process group (drop_group) and join ``group``."""

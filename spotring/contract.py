@@ -7,13 +7,15 @@ under horovodrun; OMPI_COMM_WORLD_RANK... under mpirun; SLURM_PROCID... under sr
     SPOTRING_CHECKPOINT_URI  s3://... that every checkpoint also goes to
     SPOTRING_RUN_ID          the same across every restart of the job
     SPOTRING_RESTART         0 on the first try, then 1, 2, ... on each restart
+    SPOTRING_IN_PLACE        off, auto or on: whether the job goes on in place when
+                             workers leave and join (spotring.ElasticOptions.in_place)
     SPOTRING_RENDEZVOUS      host:port of the store a job in place meets in (outlives
-                             every training node; spotring.ElasticOptions)
+                             every training node)
     SPOTRING_MEMBER          this process's name among the job's workers in place
                              (default host:pid)
 
 spotring.init (and so the built-in trainer, which is a spotring user like any script)
-reads the first two and the last two; a script without the library may read them all.
+reads the first two and the last three; a script without the library may read them all.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ RUN_DIR = "SPOTRING_RUN_DIR"
 CHECKPOINT_URI = "SPOTRING_CHECKPOINT_URI"
 RUN_ID = "SPOTRING_RUN_ID"
 RESTART = "SPOTRING_RESTART"
+IN_PLACE = "SPOTRING_IN_PLACE"
 RENDEZVOUS = "SPOTRING_RENDEZVOUS"
 MEMBER = "SPOTRING_MEMBER"
 
@@ -46,6 +49,11 @@ def run_dir() -> str | None:
 def checkpoint_uri() -> str | None:
     """Where this job's checkpoints also go, where a launcher gave it."""
     return os.environ.get(CHECKPOINT_URI) or None
+
+
+def in_place() -> str | None:
+    """Whether this job goes on in place (off, auto, on), where a launcher said so."""
+    return os.environ.get(IN_PLACE) or None
 
 
 def rendezvous() -> str | None:

@@ -234,8 +234,9 @@ class PreemptionOptions(Options):
 class ElasticOptions(Options):
     """How the job goes on when it loses or gains workers (spotring/elastic/).
 
-    in_place: off: a lost worker stops every rank (a notice: a checkpoint and exit 75; a
-        loss without notice: exit 69), and a launcher starts the job again. auto: the
+    in_place: default $SPOTRING_IN_PLACE (a launcher that runs jobs in place sets it),
+        else off. off: a lost worker stops every rank (a notice: a checkpoint and exit 75;
+        a loss without notice: exit 69), and a launcher starts the job again. auto: the
         other workers go on in place, with the same global batches, where they can (the
         DDP engine; the global batch splits over them; at least min_workers), and a
         worker started with the job's rendezvous joins at a step boundary; where they
@@ -250,7 +251,7 @@ class ElasticOptions(Options):
         start again from it; False: the others go on at once.
     """
 
-    in_place: InPlace = InPlace.off
+    in_place: InPlace | None = None
     min_workers: int = 1
     rendezvous: str | None = None
     save_on_leave: bool = True
@@ -265,8 +266,16 @@ class ElasticOptions(Options):
         return found
 
     def resolved(self) -> ElasticOptions:
-        """These options with rendezvous from $SPOTRING_RENDEZVOUS where unset."""
-        return dataclasses.replace(self, rendezvous=self.rendezvous or contract.rendezvous())
+        """These options with in_place and rendezvous from the launcher's variables
+        ($SPOTRING_IN_PLACE, $SPOTRING_RENDEZVOUS) where unset; ConfigError for a variable
+        of no such value."""
+        in_place = self.in_place
+        if in_place is None:
+            in_place = contract.in_place() or "off"
+            if problem := one_of(contract.IN_PLACE, in_place, InPlace):
+                raise ConfigError(problem)
+        return dataclasses.replace(self, in_place=in_place,
+                                   rendezvous=self.rendezvous or contract.rendezvous())
 
 
 def _host_port(address: str) -> bool:

@@ -95,11 +95,12 @@ def in_place(steps: int = 16, min_workers: int = 1, sleep: float = 0.05,
              timeout_s: float = 30) -> None:
     """``residual``'s training in a job in place (spotring/elastic/, the rendezvous from
     $SPOTRING_RENDEZVOUS): the ranks vote at every step, a SIGTERM makes its rank leave
-    and the others go on, a lost rank's step is taken again. Rank 0 (whichever process it
-    is at the time) leaves the whole model in weights.pt at the end, and every rank prints
-    ``step N loss L`` for each step that stood: not one taken again (its collectives
-    failed: its loss is this rank's own, and the step counts once more). Every rank: a
-    rank 0 that is lost takes its last line with it."""
+    and the others go on, a lost rank's step is taken again; a checkpoint every other
+    step, after should_stop (a collective a process joining there does not make). Rank 0
+    (whichever process it is at the time) leaves the whole model in weights.pt at the
+    end, and every rank prints ``step N loss L`` for each step that stood: not one taken
+    again (its collectives failed: its loss is this rank's own, and the step counts once
+    more). Every rank: a rank 0 that is lost takes its last line with it."""
     with spotring.init(seed=0, in_place="auto", min_workers=min_workers, check_every_steps=1,
                        notices="none", timeout_s=timeout_s) as job:
         model, optimizer, loader = _started(job, 128)
@@ -110,6 +111,8 @@ def in_place(steps: int = 16, min_workers: int = 1, sleep: float = 0.05,
                 time.sleep(sleep)
                 if job.should_stop():
                     job.save_and_exit()
+                if job.step_count % 2 == 0:
+                    job.save()
                 if stood:
                     print(f"step {step} loss {mean!r}", flush=True)
                 if job.step_count >= steps:

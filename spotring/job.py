@@ -325,6 +325,7 @@ class Job:
                             seed=self.seed if seed is None else seed, rank=self.rank,
                             world_size=self.world_size, **dataloader_kwargs)
         self._loader = loader
+        self._hook(loader)
         self.count_reads(dataset)
         return loader
 
@@ -466,7 +467,18 @@ class Job:
             if isinstance(obj, Position):
                 self._position = obj
             if isinstance(obj, DataLoader):
+                self._hook(obj)
                 self.count_reads(obj.dataset)
+
+    def _hook(self, loader: DataLoader) -> None:
+        """In place: processes join at the start of a step, before its first micro-batch
+        is drawn from the loader that counts the steps: where a process that joins
+        begins too (after ``restore``), so that the members make no collective it does
+        not (a save after should_stop, say)."""
+        if self._in_place is not None:
+            loader.before_step = lambda: (
+                self._in_place.step_starts(self) if loader is (self._position or self._loader)
+                else None)
 
     def count_reads(self, *datasets: Any) -> None:
         """Give the reads of ``datasets`` (those that count theirs: spotring.Shards) in
@@ -519,11 +531,13 @@ class Job:
                                     self.checkpoints.background if background is None
                                     else background)
         except Exception as e:
-            if self._in_place is None or not engines.is_collective_failure(
-                    e.__cause__ or e) and "Connection closed" not in str(e):
-                raise
-            # In place, a worker lost while the parts were written: the one before
+            # In place, a worker lost while the parts were written (one of the save's
+            # collectives failed, or met the group a failed one dropped): the one before
             # stands, and the next step boundary goes on without the lost worker.
+            if self._in_place is None or self.engine.failure is None and not (
+                    engines.is_collective_failure(e.__cause__ or e)
+                    or "Connection closed" in str(e)):  # DCP's, naming each rank's
+                raise
             log.warning("the checkpoint of step %d was not saved: a worker was lost "
                         "while it was written", self.step_count)
             self.engine.failed(e)
@@ -728,7 +742,7 @@ class Job:
         else:
             self.engine.shutdown()
         if self._in_place is not None:
-            self._in_place.close()
+            self._in_place.close(self._leaving)
         self.preemption.restore_signals()
 
     def __enter__(self) -> Job:

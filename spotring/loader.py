@@ -21,7 +21,7 @@ hands out and moves the offset by G after every K micro-batches.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.utils.data
@@ -88,6 +88,9 @@ class DataLoader(torch.utils.data.DataLoader):
         # The iteration in progress goes on from the position as it stands now (set
         # again, or split over other workers): taken up at its next micro-batch.
         self._restart = False
+        # Called before the first micro-batch of each global batch is drawn: where a job
+        # in place takes in the processes that join it (spotring.Job sets it).
+        self.before_step: Callable[[], None] | None = None
 
     @property
     def global_batch(self) -> int:
@@ -175,7 +178,11 @@ class DataLoader(torch.utils.data.DataLoader):
         sampler, epoch = self.batch_sampler, self.epoch
         batches = super().__iter__()
         while True:
-            while not self._restart:
+            while True:
+                if self._handed % self.accumulation == 0 and self.before_step is not None:
+                    self.before_step()  # may split the batches anew: _restart
+                if self._restart:
+                    break
                 try:
                     batch = next(batches)
                 except StopIteration:

@@ -9,11 +9,13 @@ range (make test) cover every branch below.
     cpu_features      the CPU's instruction sets, as torch names them
     compile_problem   why torch.compile cannot run on a device here, or None
     compiled_graphs   the graphs torch.compile has compiled in this process
+    no_buffer_sync_in_forward   DDP's keyword for it, renamed in 2.14
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import os
 from collections.abc import Iterator
@@ -183,3 +185,11 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
+
+
+def no_buffer_sync_in_forward() -> dict[str, bool]:
+    """DDP's keyword that keeps its forward from broadcasting buffers: forward_sync_buffers
+    where torch has it (2.14: broadcast_buffers warns, deprecated), else broadcast_buffers."""
+    parameters = inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+    key = "forward_sync_buffers" if "forward_sync_buffers" in parameters else "broadcast_buffers"
+    return {key: False}

@@ -7,8 +7,9 @@ The ranks are spawned by the test (harness/ranks.py) and run harness/workloads.p
 ``in_place``, ``residual``'s float64 training in a job in place, against a rendezvous store
 served by `spotring rendezvous` in a process of its own, as a machine that outlives the
 nodes would serve it. A lost worker is a rank SIGKILLed (its connections close, as a
-vanished node's process's do when the kernel goes with it; a host cut off without
-closing them is met at engine.timeout_s instead); a notice is SIGTERM, as the OS sends it.
+vanished node's process's do when the kernel goes with it), or SIGSTOPped (silent, its
+connections open, as a host cut off from the network); a notice is SIGTERM, as the OS
+sends it.
 """
 
 from __future__ import annotations
@@ -74,10 +75,11 @@ def rank_0(job: Ranks) -> int:
 @pytest.mark.slow
 def test_losses_notices_and_joins_change_the_workers_in_place_and_end_exact(
         tmp_path, rendezvous, reference):
-    """A seeded schedule on 4 workers: rank 0's process is killed, another's is killed,
-    one gets a notice, and two new processes join: the world size changes in place 5
-    times (4, 3, 2, 3, 4, 3), no surviving process restarts, every step stands once with
-    the uninterrupted run's loss, and the weights end equal to 1e-10."""
+    """A seeded schedule on 4 workers: rank 0's process is killed, one gets a notice,
+    two new processes join, and another is stopped (silent: met by its heartbeat): the
+    world size changes in place 5 times (4, 3, 2, 3, 4, 3), no surviving process
+    restarts, every step stands once with the uninterrupted run's loss, and the weights
+    end equal to 1e-10."""
     chance = random.Random(58)
     run_dir = tmp_path / "run"
     with Ranks(run_dir, 4, workloads.in_place, steps=STEPS) as job:
@@ -94,7 +96,11 @@ def test_losses_notices_and_joins_change_the_workers_in_place_and_end_exact(
         after(8, 3)
         joined.append(job.start_another())  # 4
         after(10, 4)
-        job.signal(chance.choice(job.running()), signal.SIGKILL)  # 3 left
+        silent = chance.choice(job.running())
+        job.signal(silent, signal.SIGSTOP)  # its host cut off: 3 left
+        assert job.until(lambda: job.running() == [silent], "the others' end",
+                         while_any=True), job.output()[-5000:]
+        job.signal(silent, signal.SIGKILL)
         codes = job.wait()
         output = job.output()
     assert sorted(codes) == sorted([-9, -9, EXIT_PREEMPTED, 0, 0, 0]), (codes, output[-6000:])
@@ -132,10 +138,11 @@ def test_streamed_shards_keep_every_global_batchs_keys_through_a_loss_and_a_join
                in_place=True, timeout_s=30, hold_at=10, **args) as job:
         assert job.until(lambda: job.step() >= 6, "step 6")
         job.signal(1, signal.SIGKILL)  # 2 left
-        assert job.until(lambda: changes(job) >= 1, "the loss's change", while_any=True)
+        assert job.until(lambda: changes(job) >= 1, "the loss's change",
+                         while_any=True), job.output()[-5000:]
         joiner = job.start_another()  # 3 again, taken in once rank 0 goes on past step 10
         assert job.until(lambda: "asked to join" in job.output(joiner), "the joiner's ask",
-                         while_any=True)
+                         while_any=True), job.output()[-5000:]
         workloads.release(run_dir)
         codes = job.wait()
         output = job.output()

@@ -8,7 +8,8 @@ ranks agree on everything (spotring/preemption.py's vote). What happens there:
   the script's dicts: never the model or the optimizer) are kept, as they stand between
   two steps (``commit``);
 - a collective of this step failed (a worker lost without notice: its connections
-  closed, or it stopped answering within engine.timeout_s): DDP's allreduce hook gave
+  closed, or its heartbeat stood still for rendezvous.py's SILENT_S while the others
+  waited in a collective: its host cut off): DDP's allreduce hook gave
   zeros and the optimizer skipped its step (``watch``), so the step is dropped. The
   survivors answer a roll call in the rendezvous store and form the next generation of
   members from who answered, form the process group anew, go back to the kept states,
@@ -17,7 +18,8 @@ ranks agree on everything (spotring/preemption.py's vote). What happens there:
   checkpoint of this step (ElasticOptions.save_on_leave), those workers leave (exit 75),
   the others form the group anew and go on;
 - the vote says processes asked to join (``spotring.init`` with the job's rendezvous, in
-  a process of its own, then ``job.restore()``): the members and they form the group
+  a process of its own, then ``job.restore()``): at the next step's start, before its
+  first micro-batch is drawn (``step_starts``), the members and they form the group
   anew, and the rank that has taken the most steps sends the model, the optimizer and
   the small states to every rank, which takes them.
 
@@ -35,6 +37,7 @@ import copy
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -46,7 +49,15 @@ from torch import nn
 from torch.optim import Optimizer
 
 from spotring import contract
-from spotring.elastic.rendezvous import BEAT_S, Generation, Rendezvous, connect
+from spotring.elastic.rendezvous import (
+    BEAT_S,
+    SILENT_S,
+    WATCH_S,
+    Generation,
+    JobEnded,
+    Rendezvous,
+    connect,
+)
 from spotring.engines.process_group import Group
 from spotring.exits import ConfigError
 from spotring.global_batch import split_global_batch
@@ -77,6 +88,7 @@ class InPlace:
         self._switch = threading.Lock()  # held to change generation (and its failure)
         self._beating = threading.Event()  # set: the heartbeat stops
         self.changes: list[dict[str, Any]] = []  # each change of members, for the summary
+        self._joining = 0  # processes the last vote let in: at the next step's start
 
     @classmethod
     def begin(cls, options: ElasticOptions, rank: int, world_size: int,
@@ -109,9 +121,12 @@ class InPlace:
         collective, until engine.timeout_s)."""
         def beating() -> None:
             told = None  # the generation whose failure this rank told
+            seen: dict[str, tuple[int, float]] = {}  # the others' heartbeats (still)
+            watched = 0.0  # when this rank last read them
             while not self._beating.wait(BEAT_S):
                 with self._switch:  # the generation and its failure, as one
                     number, engine = self.generation.number, self.engine
+                    others = [m for m in self.generation.members if m != rendezvous.name]
                     failure = None if engine is None else engine.failure
                 try:
                     rendezvous.beat()
@@ -121,19 +136,34 @@ class InPlace:
                         rendezvous.flag_failed(number)
                         told = number
                     elif failure is None and (who := rendezvous.failed_in(number)):
-                        with self._switch:
-                            if self.generation.number == number:  # not formed anew since
-                                engine.give_up(ConnectionError(
-                                    f"{who} met a lost worker in generation {number}"))
+                        self._give_up(engine, number,
+                                      f"{who} met a lost worker in generation {number}")
+                    elif failure is None and engine.waiting and (
+                            time.monotonic() - watched >= WATCH_S):
+                        watched = time.monotonic()
+                        if still := rendezvous.still(others, seen, SILENT_S):
+                            self._give_up(engine, number, (
+                                f"{', '.join(still)} silent for {SILENT_S:g} s in "
+                                f"generation {number} (a host cut off?)"))
                 except Exception:  # the store out of reach for a moment: the next may do
                     continue
 
         rendezvous.beat()
         threading.Thread(target=beating, name="spotring-heartbeat", daemon=True).start()
 
-    def close(self) -> None:
-        """Stop the heartbeat: this process leaves the job."""
+    def _give_up(self, engine: Any, number: int, why: str) -> None:
+        """(The heartbeat's thread.) Every collective of generation ``number`` this rank
+        waits in fails now, for ``why``, unless the group was formed anew since."""
+        with self._switch:
+            if self.generation.number == number:
+                engine.give_up(ConnectionError(why))
+
+    def close(self, leaving: bool) -> None:
+        """Stop the heartbeat: this process leaves the job, alone (``leaving``) or with
+        every other member (the store says so: its launcher replaces none of them)."""
         self._beating.set()
+        if not leaving and not self.joining:
+            self.rendezvous.end()
 
     def _group(self, generation: Generation) -> Group:
         return Group(dist.PrefixStore(generation.prefix, self.rendezvous.store),
@@ -185,18 +215,35 @@ class InPlace:
         if job.rank in leaving:
             job._leave("a notice on this worker's node: the others go on in place")
             return True
-        started = time.monotonic()
-        newcomers = self.rendezvous.joiners(self.generation, joining)
-        nxt = self.rendezvous.record(self.generation.number + 1, stay + newcomers,
-                                     self.generation.admitted + joining)
-        self._form(job, nxt, "leave" if leaving else "join", started)
+        # Those joining are taken in at the next step's start (step_starts), where they
+        # begin: what the members do until then (a save, say) is theirs alone.
+        self._joining = joining
+        if leaving:
+            nxt = self.rendezvous.record(self.generation.number + 1, stay,
+                                         self.generation.admitted)
+            self._form(job, nxt, "leave", time.monotonic())
+        else:
+            self.commit(job)
         return False
+
+    def step_starts(self, job: Job) -> None:
+        """Before the first micro-batch of a step is drawn: the processes the last vote let
+        in become members, and every member takes the same state."""
+        if not self._joining:
+            return
+        started, joining, self._joining = time.monotonic(), self._joining, 0
+        job._wait_for_saves()  # a save begun since the boundary ends in its own group
+        newcomers = self.rendezvous.joiners(self.generation, joining)
+        nxt = self.rendezvous.record(self.generation.number + 1,
+                                     [*self.generation.members, *newcomers],
+                                     self.generation.admitted + joining)
+        self._form(job, nxt, "join", started)
 
     def _lost(self, job: Job, error: BaseException) -> bool:
         """A collective of this step failed: the roll call, the group formed anew, the
         step dropped (taken again, split over the ranks there are) unless this rank took
         it already; today's path where the rest cannot go on."""
-        started = time.monotonic()
+        started, self._joining = time.monotonic(), 0  # the next vote counts them again
         log.warning("a worker was lost (%s: %s); the others go on in place",
                     type(error).__name__, str(error).splitlines()[0][:200])
         job._abandon_saves()
@@ -219,19 +266,25 @@ class InPlace:
         """``job.restore()`` of a process that is joining: ask the members to take it in,
         wait for the generation that does (engine.timeout_s), form the group with them
         and take the state from the rank with the most steps. Returns the step it joins
-        at."""
+        at. Exits 0 where the job ends before it is taken in: nothing is left to do."""
         started = time.monotonic()
         self.rendezvous.ask_to_join()
         log.warning("asked to join the job at %s as %s", self.options.rendezvous,
                     self.rendezvous.name)
-        nxt = self.rendezvous.admitted(self.generation.number)
+        try:
+            nxt = self.rendezvous.admitted(self.generation.number)
+        except JobEnded as e:
+            log.warning("%s: nothing is left to do; exit 0", e)
+            job.close()
+            sys.exit(0)
         self.joining = False
         self._form(job, nxt, "joined", started)
         return job.step_count
 
     def _form(self, job: Job, generation: Generation, why: str, started: float) -> None:
         """Form ``generation``'s group, and every rank takes the state of the one that
-        has taken the most steps where they differ (or one is new)."""
+        has taken the most steps where they differ (a rank whose update of a failed step
+        went through is ahead), or where one is new (its state is its own)."""
         before = len(self.generation.members)
         with self._switch:
             self.generation = generation
@@ -239,7 +292,7 @@ class InPlace:
         job._regroup(self._group(generation))
         steps = job.engine.all_gather_object(self.applied)
         source = steps.index(max(steps))
-        if min(steps) != max(steps):
+        if min(steps) != max(steps) or why in ("join", "joined"):
             _send_state(job, source)
             self.applied = steps[source]
         self.commit(job)

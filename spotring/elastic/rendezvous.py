@@ -25,6 +25,10 @@ a notice, who joins) or after a collective failed (who answered the roll call).
     beat/NAME            NAME's heartbeat: a count its process adds to every BEAT_S
     failed/N             a member of generation N met a lost worker: every member gives
                          up the collectives it waits in (its heartbeat's thread reads it)
+    ended                set by each member whose job ends as a whole (done, or stopped
+                         where the others could not go on), before it exits: a process
+                         that exits without it left the job (lost, a notice, a crash),
+                         which its launcher may replace (``ended``)
 """
 
 from __future__ import annotations
@@ -45,7 +49,15 @@ _PREFIX = "spotring/"
 # that it beats while its training thread computes or waits in a collective; one whose
 # heartbeat stands still for DEAD_S is gone (or hung: a host cut off, a process stopped).
 # After a collective failed, the roll call closes once every member answered or is gone.
-BEAT_S, DEAD_S = 0.2, 1.0
+# A member silent for SILENT_S while the others wait in a collective is taken as lost
+# (its host cut off with its connections open: no collective fails by itself then, until
+# engine.timeout_s); long enough that a process descheduled on a loaded host is not. Each
+# member reads the others' heartbeats for it every WATCH_S (one request per member).
+BEAT_S, DEAD_S, SILENT_S, WATCH_S = 0.2, 1.0, 10.0, 1.0
+
+
+class JobEnded(Exception):
+    """The job ended as a whole while this process waited to join it."""
 
 
 @dataclass(frozen=True)
@@ -149,8 +161,11 @@ class Rendezvous:
 
     def admitted(self, after: int) -> Generation:
         """The first generation after ``after`` that counts this process a member; waits
-        for it (TimeoutError after timeout_s: no member took it in)."""
+        for it (TimeoutError after timeout_s: no member took it in; JobEnded where the
+        job ended meanwhile)."""
         def taken_in() -> Generation | None:
+            if ended(self.store):
+                raise JobEnded("the job ended before its members took this process in")
             newest = self.newest()
             if newest is None or newest.number <= after:
                 return None
@@ -163,12 +178,30 @@ class Rendezvous:
         return poll(taken_in, timeout_s=self.timeout_s, interval_s=0.02,
                     what=f"the job's members to take {self.name} in (engine.timeout_s)")
 
+    def end(self) -> None:
+        """Say that the job ends as a whole: this member exits with every other."""
+        self.store.set(f"{_PREFIX}ended", self.name)
+
     # ---------------------------------------------------------------- the roll call
 
     def beat(self) -> None:
         """One heartbeat of this member (its process's beating thread calls it every
         BEAT_S, over a client of its own)."""
         self.store.add(f"{_PREFIX}beat/{self.name}", 1)
+
+    def still(self, members: list[str], seen: dict[str, tuple[int, float]],
+              seconds: float) -> list[str]:
+        """Those of ``members`` whose heartbeat has stood still for ``seconds``, as the
+        caller has watched them: ``seen`` (the caller's, kept from call to call) holds
+        each one's last heartbeat and when it was first seen."""
+        now, still = time.monotonic(), []
+        for member in members:
+            beat = self.store.add(f"{_PREFIX}beat/{member}", 0)
+            if seen.get(member, (None,))[0] != beat:
+                seen[member] = (beat, now)
+            elif now - seen[member][1] >= seconds:
+                still.append(member)
+        return still
 
     def flag_failed(self, generation: int) -> None:
         """Tell every member of ``generation`` that a worker of it is lost."""
@@ -191,20 +224,19 @@ class Rendezvous:
             stood = self.generation(number + 1)
             if stood is not None:
                 return stood
-            now = time.monotonic()
-            answered, gone = [], []
-            for member in generation.members:
-                if self.store.check([f"{_PREFIX}alive/{number}/{member}"]):
-                    answered.append(member)
-                    continue
-                beat = self.store.add(f"{_PREFIX}beat/{member}", 0)
-                if beats.get(member, (None,))[0] != beat:
-                    beats[member] = (beat, now)
-                elif now - beats[member][1] >= DEAD_S:
-                    gone.append(member)
+            answered = [m for m in generation.members
+                        if self.store.check([f"{_PREFIX}alive/{number}/{m}"])]
+            gone = self.still([m for m in generation.members if m not in answered], beats,
+                              DEAD_S)
             if len(answered) + len(gone) == len(generation.members):
                 return self.record(number + 1, answered, generation.admitted)
             time.sleep(0.02)
+
+
+def ended(store: dist.Store) -> bool:
+    """Whether a member of the job in ``store`` said the job ends as a whole: a process of
+    it that exits now is not one to replace."""
+    return store.check([f"{_PREFIX}ended"])
 
 
 def serve(host: str, port: int) -> dist.TCPStore:

@@ -46,6 +46,9 @@ class Engine(abc.ABC):
     # train.channels_last the parameters then stay contiguous, and only the batches are
     # NHWC; convolutions still run NHWC when their input is.
     contiguous_only: bool = False
+    # In place (ProcessGroupEngine): this step's failed collective, the step then to be
+    # taken again. Every other engine raises instead, so it stays None there.
+    failure: BaseException | None = None
 
     @abc.abstractmethod
     def prepare(self, model: nn.Module, optimizer: Optimizer | OptimizerFactory,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -29,7 +30,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from spotring.engines import register
+from spotring import torch_compat
+from spotring.engines import is_collective_failure, register
 from spotring.engines.base import Engine, OptimizerFactory, built
 from spotring.engines.mpi import MPISums, sum_hook
 from spotring.engines.process_group import Group, ProcessGroupEngine, backend_of
@@ -100,6 +102,13 @@ class SingleProcess(Engine):
         pass
 
 
+# In place: how long DDP's bucket-order broadcast waits for a rank (a blocking wait, which
+# the job cannot give up as it gives up the allreduce: spotring/engines/process_group.py).
+# A rank silent for longer (its host cut off) is taken as lost; one only slow answers the
+# roll call, and the step is taken again.
+REBUILD_TIMEOUT_S = 30.0
+
+
 class DDPEngine(ProcessGroupEngine):
     name = "ddp"
 
@@ -122,21 +131,33 @@ class DDPEngine(ProcessGroupEngine):
         optimizer = built(optimizer, model)
         # DDP's constructor broadcasts rank 0's parameters and buffers to all ranks;
         # rank 0 loaded the checkpoint on resume, so everyone resumes from it.
-        wrapped = InPlaceDDP(model, self._ddp_of) if self.in_place else self._ddp_of(model)
+        wrapped = (InPlaceDDP(model, self._ddp_of, self.failed) if self.in_place
+                   else self._ddp_of(model))
         self._broadcast_optimizer_state(optimizer)
         self._wrapped = wrapped
         return wrapped, optimizer
 
-    def _ddp_of(self, model: nn.Module) -> DistributedDataParallel:
+    def _ddp_of(self, model: nn.Module, init_sync: bool = True) -> DistributedDataParallel:
+        """DDP over ``model`` in this group; ``init_sync``: its constructor checks the
+        ranks' parameter shapes and sends rank 0's parameters and buffers to all."""
+        in_place: dict[str, Any] = {}
+        if self.in_place:
+            # The gradients' allreduce is the hook's, in the job's group: it survives a
+            # lost worker. DDP's own collective after its constructor's, the broadcast of
+            # rank 0's bucket order at its second forward, runs in a group of its own,
+            # which waits at most REBUILD_TIMEOUT_S for a rank once the job has regrouped
+            # (the constructor's checks at the start wait as long as any collective).
+            # Buffers (BatchNorm's statistics) are each rank's own, as under FSDP.
+            timeout = self.timeout if init_sync else timedelta(seconds=REBUILD_TIMEOUT_S)
+            in_place = {"process_group": dist.new_group(timeout=timeout),
+                        **torch_compat.no_buffer_sync_in_forward()}
         ddp = DistributedDataParallel(
             model,
+            init_sync=init_sync,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
             bucket_cap_mb=self.options.bucket_mb,
             gradient_as_bucket_view=True,
-            # In place, forward runs no collective: a lost worker is met in backward's
-            # allreduce, which the hook below survives. Buffers (BatchNorm's statistics)
-            # are then each rank's own, as under FSDP.
-            broadcast_buffers=not self.in_place,
+            **in_place,
         )
         if self.backend == "mpi":
             ddp.register_comm_hook(self._mpi_sums, sum_hook)
@@ -157,6 +178,11 @@ class DDPEngine(ProcessGroupEngine):
     def _broadcast_optimizer_state(self, optimizer: Optimizer) -> None:
         # DDP syncs the module, not the optimizer: momentum buffers come from rank 0 too.
         optimizer.load_state_dict(self.broadcast_object(optimizer.state_dict()))
+
+    def _let_go(self) -> None:
+        if isinstance(self._wrapped, InPlaceDDP):  # its reducer holds the group: freed
+            self._wrapped.drop()  # now, not at interpreter exit (shutdown says why)
+        super()._let_go()
 
     def no_sync(self, model: nn.Module):
         if isinstance(model, DistributedDataParallel | InPlaceDDP):
@@ -185,23 +211,40 @@ class InPlaceDDP(nn.Module):
     allreduce would add up unlike gradients), around the same ``module`` (its
     parameters, the optimizer's, stay). ``module`` is the plain model, as DDP's is."""
 
-    def __init__(self, module: nn.Module,
-                 make: Callable[[nn.Module], DistributedDataParallel]) -> None:
+    def __init__(self, module: nn.Module, make: Callable[..., DistributedDataParallel],
+                 failed: Callable[[BaseException], None]) -> None:
         super().__init__()
-        self.module, self._make = module, make
+        self.module, self._make, self._failed = module, make, failed
         object.__setattr__(self, "_ddp", make(module))  # not a submodule: module is
+        object.__setattr__(self, "_broken", False)  # its collective failed: until regroup
 
     def regroup(self) -> None:
-        """DDP over the process group formed now (its constructor sends rank 0's weights
-        to all)."""
-        object.__setattr__(self, "_ddp", self._make(self.module))
+        """DDP over the process group formed now, each rank's parameters left as they
+        are: the job in place sends the state of the rank that has taken the most steps,
+        which need not be rank 0 (spotring/elastic/in_place.py)."""
+        object.__setattr__(self, "_ddp", self._make(self.module, init_sync=False))
+        object.__setattr__(self, "_broken", False)
 
     def drop(self) -> None:
         """Let go of the DDP of a group that is broken (and of the group with it)."""
         object.__setattr__(self, "_ddp", None)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._ddp(*args, **kwargs)
+        """DDP's forward; where its one collective fails (the second forward of a DDP
+        shares rank 0's bucket order: a worker lost then, or silent for
+        REBUILD_TIMEOUT_S), the plain module's, and the
+        failure kept by the engine: the step is not applied, and taken again once the
+        group is formed anew (spotring/elastic/in_place.py)."""
+        if self._broken or self._ddp is None:  # the rest of the step's micro-steps; closed
+            return self.module(*args, **kwargs)
+        try:
+            return self._ddp(*args, **kwargs)
+        except RuntimeError as e:
+            if not is_collective_failure(e):
+                raise
+            self._failed(e)
+            object.__setattr__(self, "_broken", True)
+            return self.module(*args, **kwargs)
 
     def no_sync(self):
         return self._ddp.no_sync()
@@ -224,14 +267,14 @@ def _mean_or_failed(engine: DDPEngine, bucket):  # DDP checks no annotation here
     if engine.failure is not None:  # a bucket before failed: the group is broken
         end(None)
         return result
-    landed = engine.in_flight(lambda: end(None))
+    landed, number = engine.in_flight(lambda: end(None)), engine.group_number
 
     def done(future: torch.futures.Future) -> None:
         landed()
         try:
             value = future.value()[0].div_(size)
         except Exception as e:
-            engine.failed(e)
+            engine.failed(e, number)
             value = None
         end(None if engine.failure is not None else value)
 

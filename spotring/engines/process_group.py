@@ -165,6 +165,9 @@ class ProcessGroupEngine(Engine):
         # In place: the collectives in flight, each given up on a failure (give_up).
         self._in_flight: dict[int, Callable[[], None]] = {}
         self._in_flight_lock, self._keys = threading.Lock(), itertools.count()
+        # In place: which of this process's groups is the current one (regroup counts
+        # them): a failure met by a collective of a group dropped since is not this one's.
+        self.group_number = 0
         self._join(group or Group(rendezvous(launch, self.timeout), launch.rank,
                                   launch.world_size))
 
@@ -195,16 +198,22 @@ class ProcessGroupEngine(Engine):
     def regroup(self, group: Group) -> None:
         """In place: leave the process group (drop_group) and join ``group``."""
         self.drop_group()
-        self.failure = None
+        with self._in_flight_lock:
+            self.group_number += 1
+            self.failure = None
         self._join(group)
 
-    def failed(self, error: BaseException) -> None:
+    def failed(self, error: BaseException, group_number: int | None = None) -> None:
         """In place: a collective of this step failed with ``error`` (a lost worker): kept
         for the job's next step boundary (the first such error of the step). No other
         collective of the group is started: with a worker gone, one could wait for a peer
         that waits elsewhere, until engine.timeout_s. (Called from DDP's hook too, on a
-        Gloo thread: the group is dropped from the training thread, at once after.)"""
-        self.failure = self.failure or error
+        Gloo thread, with the ``group_number`` its collective was started in: the work
+        of a group dropped since fails as that group ends, which is no failure of the
+        current one. The group is dropped from the training thread, at once after.)"""
+        with self._in_flight_lock:
+            if group_number in (None, self.group_number):
+                self.failure = self.failure or error
 
     def give_up(self, error: BaseException) -> None:
         """In place: a worker is lost (another rank met it: ``error`` says so); every
@@ -214,6 +223,11 @@ class ProcessGroupEngine(Engine):
             ends, self._in_flight = list(self._in_flight.values()), {}
         for end in ends:
             end()
+
+    @property
+    def waiting(self) -> bool:
+        """In place: whether a collective of this rank is in flight (in_flight)."""
+        return bool(self._in_flight)
 
     def in_flight(self, end: Callable[[], None]) -> Callable[[], None]:
         """In place: a collective started, which ``end`` ends as failed where it is
@@ -325,6 +339,12 @@ class ProcessGroupEngine(Engine):
         formed a group of their own already): no barrier at ``shutdown``."""
         if dist.is_initialized():
             dist.destroy_process_group()
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Free what reference cycles still hold of this process's group while the
+        interpreter is whole (shutdown says why). A broken group's end is not waited for:
+        with a peer gone silent it waits for engine.timeout_s, and its thread holds it."""
         gc.collect()
 
     def shutdown(self) -> None:
@@ -340,4 +360,4 @@ class ProcessGroupEngine(Engine):
         if dist.is_initialized():
             dist.barrier(device_ids=[self.device.index] if self.backend == "nccl" else None)
             dist.destroy_process_group()
-        gc.collect()
+        self._let_go()

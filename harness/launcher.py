@@ -118,11 +118,24 @@ class Followed:
         self.reader.join(timeout=10)
         return code, self.text
 
+    def __enter__(self) -> Followed:
+        return self
 
-def notice_node_1(followed: Followed, trained: int
+    def __exit__(self, *exc: object) -> None:
+        """Where the launcher still runs (a step of the test failed): SIGTERM, on which it
+        takes down all it started."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=120)
+
+
+def notice_node_1(followed: Followed, trained: int,
+                  answer: Callable[[netns.Names], str] = lambda names: (
+                      "the job exited with code 75")
                   ) -> tuple[RunDir, netns.Names, float, MetadataStub]:
     """EC2's spot notice for node 1 of the launch ``followed`` once node 0 logged step
-    ``trained``, and the job's stop for it (exit 75). The notice stays up, as EC2's does
+    ``trained``, and the launcher's answer to it: the line ``answer`` gives for the run's
+    names (by default the job's stop for it, exit 75). The notice stays up, as EC2's does
     until it takes the instance (or for good where it stops it instead): the launcher
     takes node 1 down itself. Returns the run, its names, when the notice came and node
     1's metadata service, for the caller to close."""
@@ -134,7 +147,7 @@ def notice_node_1(followed: Followed, trained: int
     followed.wait_for(lambda: steps_on_node_0(run) >= trained)
     noticed = time.time()
     metadata.announce_interruption()
-    followed.wait_for(lambda: "the job exited with code 75" in followed.text)
+    followed.wait_for(lambda: answer(names) in followed.text)
     return run, names, noticed, metadata
 
 

@@ -73,7 +73,8 @@ def supervised(tmp_path, monkeypatch, tries, listed, max_restarts=1, max_preempt
                         run.save_nodes(nodes))
     monkeypatch.setattr("spotring.launch.notice.noticed", lambda ssh, nodes, workdir: {
         n.id: '{"action": "terminate"}' for n in nodes if n.id in noticed})
-    cfg = OmegaConf.create({"job": {"command": list(command)}, "checkpoint": {"uri": None},
+    cfg = OmegaConf.create({"job": {"command": list(command), "launcher": "torchrun"},
+                            "checkpoint": {"uri": None},
                             "cluster": {"min_nodes": 2, "max_restarts": max_restarts,
                                         "max_preemptions": max_preemptions, "ssh_user": "root",
                                         "notice_wait_s": notice_wait_s,

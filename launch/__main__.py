@@ -54,7 +54,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from botocore.parsers import ResponseParserError
 
 from spotring.exits import EXIT_CONFIG, EXIT_FAILED, ConfigError
-from spotring.launch import STEPS, config, ledger, project
+from spotring.launch import STEPS, config, in_place, ledger, project
 from spotring.launch.clusters import provider_for
 from spotring.launch.console import interrupt_on_termination, log_to, split_dashes
 from spotring.launch.cost import after_run, hourly
@@ -87,7 +87,8 @@ OVERRIDES = {
     "cluster.region": ("cluster.region=REGION", "the AWS region (default us-east-1)"),
     "cluster.zones": ("cluster.zones=[ZONE,...]", "zones to price (default: every zone)"),
     "cluster.instance_types": ("cluster.instance_types=[TYPE,...]", "types to price"),
-    "job.*": ("job.launcher=LAUNCHER", "horovodrun (default), mpirun, torchrun or none\n"
+    "job.*": ("job.launcher=LAUNCHER", "horovodrun (default), mpirun, torchrun, none\n"
+              "  or in_place (the job trains on through lost nodes)\n"
               "job.results=DIR: where your command's rank 0 writes\n"
               "  (default runs/<run id>: $SPOTRING_RUN_DIR)\n"
               "job.max_project_mb=200: the project's size limit"),
@@ -206,6 +207,8 @@ def _command(args: argparse.Namespace, after_dashes: list[str]) -> int:
     if command == "up":
         up(cfg, run, provider)
     elif command == "run":
+        if cfg.job.launcher == "in_place":  # a lost node is not replaced, as `run` restarts none
+            return in_place.run(cfg, run, provider)
         return run_job(cfg, run, provider)
     elif command == "status":
         nodes = provider.describe()

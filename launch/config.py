@@ -28,7 +28,7 @@ from spotring.support.checkpoint import CheckpointNode, checkpoint_problems
 from spotring.support.compose import compose_checked
 
 CLUSTERS = ("aws_spot", "local")
-LAUNCHERS = ("horovodrun", "mpirun", "torchrun", "none")
+LAUNCHERS = ("horovodrun", "mpirun", "torchrun", "none", "in_place")
 
 # ----------------------------------------------------------------------------- schemas
 
@@ -103,7 +103,9 @@ class LocalClusterConfig(ClusterConfig):
 
 @dataclass
 class JobConfig:
-    launcher: str = "horovodrun"  # horovodrun | mpirun | torchrun | none (once per node)
+    # horovodrun | mpirun | torchrun | none (once per node) | in_place (once per slot, and
+    # the job trains on through lost nodes, their replacements joining it: launch/in_place.py)
+    launcher: str = "horovodrun"
     # The job's command (also: after `--`, launch/contract.py); none: the built-in
     # trainer, `spotring train ARGS`, with the trainer's overrides ``args``.
     command: list[str] = field(default_factory=list)

@@ -12,6 +12,9 @@ GPUs), N*G all of them:
                                   --master-addr NODE0 --no-python CMD
     none        node i   CMD, once per node, with NODE_RANK=i NNODES=N NPROC_PER_NODE=G
                          MASTER_ADDR=NODE0 MASTER_PORT (for a launcher of the command's own)
+    in_place    node i   CMD, once per slot s, each over an ssh of its own, with
+                         RANK=i*G+s WORLD_SIZE=N*G LOCAL_RANK=s LOCAL_WORLD_SIZE=G
+                         SPOTRING_IN_PLACE=on SPOTRING_RENDEZVOUS (launch/in_place.py)
 
 Rank 0 writes to SPOTRING_RUN_DIR (runs/<run id> in node 0's workdir, or job.results),
 which `run` brings back. The trainer's engine is its config's under every launcher (ddp
@@ -26,7 +29,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from spotring.contract import RUN_DIR
+from spotring.contract import IN_PLACE, RUN_DIR
 from spotring.launch.commands import LAUNCHER_ENV
 from spotring.launch.provider import Node
 from spotring.support.restarts import with_note
@@ -43,7 +46,7 @@ def results_dir(run_id: str) -> str:
 @dataclass(frozen=True)
 class JobCommand:
     launcher: str
-    commands: dict[int, str]  # node index -> shell command
+    commands: dict[int, str]  # node index -> shell command; in_place: rank -> command
 
     def exit_code(self, returncode: int, output: str, note: str | None = None) -> int:
         """The job's exit code, so that the launcher can tell a lost rank (69), a
@@ -87,6 +90,12 @@ def build(launcher: str, nodes: Sequence[Node], workdir: str, run_id: str,
                         "--node-rank", i, "--master-addr", nodes[0].private_address,
                         "--master-port", TORCHRUN_PORT, "--no-python", *program]
                     for i, node in enumerate(nodes)}
+    elif launcher == "in_place":
+        slots = [(i, s) for i, node in enumerate(nodes) for s in range(node.slots)]
+        return JobCommand(launcher, {rank: _in_workdir(workdir, program, {
+            **env, "RANK": rank, "WORLD_SIZE": total, "LOCAL_RANK": slot,
+            "LOCAL_WORLD_SIZE": nodes[i].slots, IN_PLACE: "on"})
+            for rank, (i, slot) in enumerate(slots)})
     elif launcher == "none":
         node_env = {i: {"NODE_RANK": i, "NNODES": len(nodes), "NPROC_PER_NODE": node.slots,
                         "MASTER_ADDR": nodes[0].private_address, "MASTER_PORT": TORCHRUN_PORT}

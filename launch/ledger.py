@@ -16,6 +16,11 @@ the tries of launch/tries.py), launch.yaml (the prices below) and job/summary.js
     totals     dollars for the run (instances and volumes), per epoch and per 1,000
                steps, lost to preemptions and to failures, and what the same node-seconds
                would have cost on demand
+    in_place   a job in place (job.launcher=in_place): each node it lost or restarted a
+               process on (state.json's: when, which, why, its replacement), and each
+               change of workers the job made without stopping (job/summary.json's: the
+               step, why, the workers before and after, the seconds it cost the job),
+               with their sum; null for other launchers
     data_reads the GET requests and bytes each rank read from a store's shards
                (spotring.Shards, dataset=shards), per epoch: job/summary.json's, so the
                last try's; null where the job read none or has no summary
@@ -62,6 +67,7 @@ def build(run: RunDir, now: float | None = None) -> dict:
     return {"run_id": run.id, "cluster": cluster.name, "complete": down_at is not None,
             "as_of": now, "nodes": nodes, "restarts": restarts,
             "totals": _totals(nodes, restarts, _progress(run)),
+            "in_place": _in_place(state, _summary(run)),
             "data_reads": _summary(run).get("data_reads")}
 
 
@@ -112,6 +118,15 @@ def _restarts(tries: list[dict], prices: dict[str, float | None]) -> list[dict]:
             "lost_s": lost_s, "back_at_step": step if back is not None else None,
             "usd_lost": None if lost_s is None else hourly * lost_s / 3600})
     return restarts
+
+
+def _in_place(state: dict, summary: dict) -> dict | None:
+    """What the job in place lost and how it went on (None: not a job in place)."""
+    if "in_place" not in state and not summary.get("in_place"):
+        return None
+    changes = summary.get("in_place") or []
+    return {"nodes": state.get("in_place", []), "changes": changes,
+            "seconds_lost": sum(c["seconds"] for c in changes)}
 
 
 def _summary(run: RunDir) -> dict:

@@ -42,7 +42,7 @@ from omegaconf import DictConfig
 
 from spotring.cli import check_command, pin_command
 from spotring.exits import EXIT_FAILED, EXIT_OK, ConfigError
-from spotring.launch import notice, tries
+from spotring.launch import in_place, notice, tries
 from spotring.launch.provider import NoCapacity, Node, Provider
 from spotring.launch.run import run as run_job
 from spotring.launch.run import ssh_for
@@ -81,7 +81,10 @@ def supervise(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
             nodes = run.nodes()
             started = time.time()
             try:
-                code, unreachable = run_job(cfg, run, provider), None
+                code, unreachable = (in_place.run(
+                    cfg, run, provider, lambda lost: _replace(cfg, run, provider, lost),
+                    lambda cause: _spend(cause, spent, budgets))
+                    if cfg.job.launcher == "in_place" else run_job(cfg, run, provider)), None
             except RemoteError as e:  # ssh to a node failed: lost, or a failure of its own
                 code, unreachable = None, e
             outcome = tries.outcome(run, started, [n.id for n in nodes], code)
@@ -111,6 +114,18 @@ def supervise(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
     finally:
         log.info("recover: the run spent %s", ", ".join(
             f"{spent[b]} of {budgets[b]} {CAUSES[b]}s ({POLICY.budgets[b]})" for b in budgets))
+
+
+def _spend(cause: str, spent: dict[str, int], budgets: dict[str, int]) -> bool:
+    """In place: one more of ``cause``'s (a CAUSES value) replacements or restarts, where
+    its budget allows; the job trains on meanwhile."""
+    budget = next(b for b, c in CAUSES.items() if c == cause)
+    if spent[budget] >= budgets[budget]:
+        log.info("recover: no %ss left (%d of %s=%d spent): nothing is replaced", cause,
+                 spent[budget], POLICY.budgets[budget], budgets[budget])
+        return False
+    spent[budget] += 1
+    return True
 
 
 def _workers(nodes: list[Node]) -> int:

@@ -48,11 +48,13 @@ def results_of(cfg: DictConfig, run: RunDir) -> str:
     return cfg.job.results or job_command.results_dir(run.id)
 
 
-def job_for(cfg: DictConfig, run: RunDir, provider: Provider,
-            nodes: list[Node]) -> job_command.JobCommand:
+def job_for(cfg: DictConfig, run: RunDir, provider: Provider, nodes: list[Node],
+            extra: dict[str, str] | None = None) -> job_command.JobCommand:
+    """The job's command on ``nodes``, with the contract's variables and ``extra``."""
     results = results_of(cfg, run)
     env = {**cfg.job.env, **contract.environment(
-        run.id, f"{provider.workdir}/{results}", len(run.tries()), cfg.checkpoint.uri)}
+        run.id, f"{provider.workdir}/{results}", len(run.tries()), cfg.checkpoint.uri),
+           **(extra or {})}
     return job_command.build(cfg.job.launcher, nodes, provider.workdir, run.id,
                              list(cfg.job.command), env, results)
 
@@ -90,21 +92,17 @@ def run(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
     job = job_for(cfg, run, provider, nodes)
     prepare(cfg, run, provider, nodes, ssh)
     results = results_of(cfg, run)
-    remote = shlex.quote(f"{provider.workdir}/{results}")
-    # Rank 0's notes from a try before this one.
-    ssh.run(nodes[0], "rm -f " + " ".join(f"{remote}/{note}" for note in NOTES))
-    for note in NOTES:
-        (run.job / note).unlink(missing_ok=True)
+    clear_notes(ssh, nodes[0], provider.workdir, run, results)
     log.info("run: on node 0 (%s): %s", nodes[0].address, job.commands[0])
     try:
         status = _start(ssh, nodes, run, job.commands)
     except BaseException:
         try:  # what there is, without hiding why the job stopped
-            _bring_back(ssh, nodes[0], provider.workdir, run, results)
+            bring_back(ssh, nodes[0], provider.workdir, run, results)
         except (RemoteError, OSError, tarfile.TarError) as e:
             log.info("run: could not bring the results back: %s", e)
         raise
-    _bring_back(ssh, nodes[0], provider.workdir, run, results)
+    bring_back(ssh, nodes[0], provider.workdir, run, results)
     note = next((n for n in NOTES if (run.job / n).exists()), None)
     code = job.exit_code(*status, note=note)
     if classify(code) not in (Outcome.DONE, Outcome.PREEMPTED):  # why, where it is read
@@ -116,7 +114,16 @@ def run(cfg: DictConfig, run: RunDir, provider: Provider) -> int:
     return code
 
 
-def _bring_back(ssh: Ssh, node: Node, workdir: str, run: RunDir, results: str) -> None:
+def clear_notes(ssh: Ssh, node: Node, workdir: str, run: RunDir, results: str) -> None:
+    """Rank 0's notes from a try before this one, on ``node`` and here."""
+    remote = shlex.quote(f"{workdir}/{results}")
+    ssh.run(node, "rm -f " + " ".join(f"{remote}/{note}" for note in NOTES))
+    for note in NOTES:
+        (run.job / note).unlink(missing_ok=True)
+
+
+def bring_back(ssh: Ssh, node: Node, workdir: str, run: RunDir, results: str) -> None:
+    """Rank 0's run directory from ``node`` into the run dir's job/."""
     names = sync.fetch(ssh, node, workdir, results, run.job)
     if names:
         log.info("run: brought back %d files to %s", len(names), run.job)

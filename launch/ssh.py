@@ -166,11 +166,16 @@ class Ssh:
         ]
         self.options = ["-i", str(key), "-o", f"UserKnownHostsFile={known_hosts}", *self.common]
 
-    def argv(self, node: Node, command: str, tty: bool = False) -> list[str]:
+    def argv(self, node: Node, command: str, tty: bool = False,
+             forward: int | None = None) -> list[str]:
+        """``forward``: the node's 127.0.0.1:PORT reaches this machine's for as long as
+        the connection lasts (the connection fails where the node cannot listen there)."""
         # A pty (-tt) ties the remote command to this connection: when it closes (Ctrl-C
         # here), sshd hangs the command up instead of leaving it running on the node.
-        return ["ssh", *self.options, *(["-tt"] if tty else []), f"{self.user}@{node.address}",
-                command]
+        tunnel = [] if forward is None else [
+            "-o", "ExitOnForwardFailure=yes", "-R", f"127.0.0.1:{forward}:127.0.0.1:{forward}"]
+        return ["ssh", *self.options, *(["-tt"] if tty else []), *tunnel,
+                f"{self.user}@{node.address}", command]
 
     def between(self, target: Node, command: str) -> str:
         """The shell command by which a node runs ``command`` on ``target``, over the
@@ -187,8 +192,9 @@ class Ssh:
             raise RemoteError(node, command, proc.returncode, proc.stderr)
         return proc
 
-    def popen(self, node: Node, command: str, tty: bool = False, **kwargs) -> subprocess.Popen:
-        return subprocess.Popen(self.argv(node, command, tty), **kwargs)
+    def popen(self, node: Node, command: str, tty: bool = False, forward: int | None = None,
+              **kwargs) -> subprocess.Popen:
+        return subprocess.Popen(self.argv(node, command, tty, forward), **kwargs)
 
     def wait_for_login(self, nodes: Sequence[Node], timeout_s: float) -> None:
         """sshd may answer before the node accepts the key (cloud-init still at work)."""

@@ -1,6 +1,6 @@
 """A user's own command on the local cluster, launched as a pip user does: spotring from
 an installed wheel, run in a directory that holds only the user's project (train.py,
-requirements.txt), never the spotring checkout. Two runs of the cluster, each run once
+requirements.txt), never the spotring checkout. Three runs of the cluster, each run once
 and read by several tests:
 
     recovered    `spotring launch cluster=local nodes=2 -- python train.py ...` with
@@ -9,6 +9,9 @@ and read by several tests:
                  replacement vanishes, none is left to replace it, and the job goes on
                  on node 0 alone with the same global batch. It ends with the weights of
                  one worker uninterrupted, and its ledger bills each node.
+    in_place     the same launch with job.launcher=in_place: node 1's notice, then its
+                 replacement vanishing, each cost node 0 a second or so and no restart;
+                 each lost node is replaced and its replacement joins the running job.
     brought_up   `spotring up cluster=local nodes=2`, then on its nodes `spotring run`
                  under torchrun, with no launcher, a command that fails, a sweep of two
                  trials at once, and under mpirun; then `spotring down`.
@@ -99,8 +102,8 @@ PRICE, ON_DEMAND = 0.25, 1.006  # $/hour of a node, and on demand: the ledger's 
 
 
 @dataclass
-class Recovered:
-    """What the schedule of ``recovered`` saw."""
+class Launched:
+    """What the schedule of a launch with a notice and a vanished node saw."""
 
     code: int
     out: str
@@ -108,6 +111,12 @@ class Recovered:
     names: netns.Names
     noticed_at: float  # when node 1's notice came
     vanished_at: float  # when its replacement vanished
+
+
+@dataclass
+class Recovered(Launched):
+    """What the schedule of ``recovered`` saw."""
+
     reached: int  # the last step node 0 logged before the job stopped for it
 
 
@@ -117,35 +126,29 @@ def recovered(venv, tmp_path_factory) -> Recovered:
     (node 2, the one spare) killed whole once a periodic checkpoint followed the resume;
     then no node left to replace it, and cluster.min_nodes=1."""
     tmp = tmp_path_factory.mktemp("recovered")
-    with cores():
-        followed = launch(venv, project(tmp / "project"), tmp / "runs",
-                          "cluster.min_nodes=1", "cluster.max_preemptions=1",
-                          "cluster.max_restarts=1", f"cluster.price={PRICE}",
-                          f"+cluster.on_demand_prices={{netns: {ON_DEMAND}}}", spares=1,
-                          script=("--poll-seconds", "1"))  # the notice seen within a second
+    with cores(), launch(venv, project(tmp / "project"), tmp / "runs",
+                         "cluster.min_nodes=1", "cluster.max_preemptions=1",
+                         "cluster.max_restarts=1", f"cluster.price={PRICE}",
+                         f"+cluster.on_demand_prices={{netns: {ON_DEMAND}}}", spares=1,
+                         script=("--poll-seconds", "1")) as followed:  # notices within 1 s
         schedule = Schedule("the launch of train.py on 2 nodes", lambda: followed.text)
+        with schedule.step("a spot notice on node 1, which stays up"):
+            run, names, noticed_at, metadata = notice_node_1(followed, trained=1)
         try:
-            with schedule.step("a spot notice on node 1, which stays up"):
-                run, names, noticed_at, metadata = notice_node_1(followed, trained=1)
-            try:
-                with schedule.step("node 1 replaced, and the job back at work"):
-                    followed.wait_for(lambda: names.ns(2) in netns.namespaces(names.ns_prefix))
-                    followed.wait_for(lambda: resumes(followed.text) != [])
-                    back = resumes(followed.text)[0]
-                    followed.wait_for(lambda: any(s > back for s in checkpoints_on_node_0(run)))
-            finally:
-                metadata.close()
-            with schedule.step("the replacement vanishes: every process of it killed at once"):
-                vanished_at = time.time()
-                netns.delete_namespace(names.ns(2), stops=((signal.SIGKILL, 5.0),))
-                followed.wait_for(lambda: followed.text.count("run: the job exited with code") == 2)
-                reached = steps_on_node_0(run)  # rank 0 took no step without its peers
-            with schedule.step("the job on node 0 alone, to its end"):
-                code, out = followed.end()
+            with schedule.step("node 1 replaced, and the job back at work"):
+                followed.wait_for(lambda: names.ns(2) in netns.namespaces(names.ns_prefix))
+                followed.wait_for(lambda: resumes(followed.text) != [])
+                back = resumes(followed.text)[0]
+                followed.wait_for(lambda: any(s > back for s in checkpoints_on_node_0(run)))
         finally:
-            if followed.proc.poll() is None:  # a step failed: the launcher takes it all down
-                followed.proc.terminate()
-                followed.proc.wait(timeout=120)
+            metadata.close()
+        with schedule.step("the replacement vanishes: every process of it killed at once"):
+            vanished_at = time.time()
+            netns.delete_namespace(names.ns(2), stops=((signal.SIGKILL, 5.0),))
+            followed.wait_for(lambda: followed.text.count("run: the job exited with code") == 2)
+            reached = steps_on_node_0(run)  # rank 0 took no step without its peers
+        with schedule.step("the job on node 0 alone, to its end"):
+            code, out = followed.end()
     return Recovered(code, out, run, names, noticed_at, vanished_at, reached)
 
 
@@ -252,6 +255,73 @@ def test_the_ledger_bills_each_node_for_its_own_seconds_and_names_each_restart(r
     assert failure["exit"] not in (0, 75) and failure["noticed_at"] is None
     assert (failure["step"], failure["steps_redone"]) == (r.reached, r.reached - second)
     assert f"cost: ledger ({r.run.ledger}, times UTC):" in r.out
+
+
+@pytest.fixture(scope="module")
+def in_place(venv, tmp_path_factory) -> Launched:
+    """`spotring launch ... job.launcher=in_place`, 2 nodes of 1 slot and 2 to spare: a
+    notice on node 1 once the job trains; once its replacement (node 2) has joined, node 2
+    killed whole; its replacement (node 3) joins, or finds the job done."""
+    tmp = tmp_path_factory.mktemp("in_place")
+    with cores(), launch(venv, project(tmp / "project"), tmp / "runs", "job.launcher=in_place",
+                         "cluster.min_nodes=1", "cluster.max_preemptions=1",
+                         "cluster.max_restarts=1", f"cluster.price={PRICE}", spares=2,
+                         script=("--poll-seconds", "1", "--sleep", "1")) as followed:
+        schedule = Schedule("the launch of train.py in place on 2 nodes", lambda: followed.text)
+        with schedule.step("a spot notice on node 1, which leaves; its replacement joins "
+                           "the running job"):
+            run, names, noticed_at, metadata = notice_node_1(
+                followed, trained=1,
+                answer=lambda names: f"[{names.ns(2)}/0] spotring: in place: 1 -> 2 workers")
+            metadata.close()
+        with schedule.step("the replacement vanishes: every process of it killed at once"):
+            vanished_at = time.time()
+            netns.delete_namespace(names.ns(2), stops=((signal.SIGKILL, 5.0),))
+        with schedule.step("the job to its end"):
+            code, out = followed.end()
+    return Launched(code, out, run, names, noticed_at, vanished_at)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+def test_in_place_a_noticed_and_a_vanished_node_are_replaced_while_node_0_trains_on(
+        in_place, alone):
+    """No process of node 0 restarted, and the job ends as one worker alone would."""
+    r, names = in_place, in_place.names
+    assert r.code == 0, r.out[-6000:]
+    assert r.out.count(f"in place: started {names.ns(0)}/0") == 1, r.out[-6000:]
+    assert len(r.run.tries()) == 1  # one try: the job was never started again
+    summary = json.loads((r.run.job / "summary.json").read_text())
+    assert (summary["global_batch"], summary["steps"]) == (2, 30)
+    assert summary["weights"] == pytest.approx(alone["weights"], rel=1e-10)
+    # Node 1 left on its notice, node 2 joined, node 2 was lost; node 3 joined where the
+    # job had steps left then.
+    whys = [c["why"] for c in summary["in_place"]]
+    assert whys[:3] == ["leave", "join", "lost"] and whys[3:] in ([], ["join"]), summary
+    assert leftovers(r.run.id) == [] and processes(r.run.id) == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+def test_in_place_the_ledger_shows_each_lost_node_its_replacement_and_the_seconds_lost(
+        in_place):
+    r, names = in_place, in_place.names
+    ledger = json.loads(r.run.ledger.read_text())
+    events = ledger["in_place"]["nodes"]
+    assert [(e["node"], e["replacement"]) for e in events] == [
+        (names.ns(1), names.ns(2)), (names.ns(2), names.ns(3))], events
+    assert events[0]["why"].startswith("a spot notice (EC2 spot terminate notice")
+    assert events[1]["why"] in ("gone", "unreachable by ssh")
+    assert r.noticed_at < events[0]["at"] < r.vanished_at < events[1]["at"]
+    changes = ledger["in_place"]["changes"]
+    assert ledger["in_place"]["seconds_lost"] == pytest.approx(sum(c["seconds"] for c in changes))
+    assert all(c["seconds"] > 0 for c in changes) and changes
+    billed = {n["id"]: n for n in ledger["nodes"]}
+    assert set(billed) == {names.ns(i) for i in range(4)}
+    # Each lost node leaves the bill when it was found lost, not at the run's end.
+    for event in events:
+        assert billed[event["node"]]["terminated_at"] <= event["at"] + 1
+    assert ledger["restarts"] == []
 
 
 @dataclass

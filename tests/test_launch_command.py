@@ -126,11 +126,12 @@ def recovered(venv, tmp_path_factory) -> Recovered:
     (node 2, the one spare) killed whole once a periodic checkpoint followed the resume;
     then no node left to replace it, and cluster.min_nodes=1."""
     tmp = tmp_path_factory.mktemp("recovered")
-    with cores(), launch(venv, project(tmp / "project"), tmp / "runs",
-                         "cluster.min_nodes=1", "cluster.max_preemptions=1",
-                         "cluster.max_restarts=1", f"cluster.price={PRICE}",
-                         f"+cluster.on_demand_prices={{netns: {ON_DEMAND}}}", spares=1,
-                         script=("--poll-seconds", "1")) as followed:  # notices within 1 s
+    # Its processes keep about one core busy (tools/suite-profile: 42% of 2).
+    with cores(1), launch(venv, project(tmp / "project"), tmp / "runs",
+                          "cluster.min_nodes=1", "cluster.max_preemptions=1",
+                          "cluster.max_restarts=1", f"cluster.price={PRICE}",
+                          f"+cluster.on_demand_prices={{netns: {ON_DEMAND}}}", spares=1,
+                          script=("--poll-seconds", "1")) as followed:  # notices within 1 s
         schedule = Schedule("the launch of train.py on 2 nodes", lambda: followed.text)
         with schedule.step("a spot notice on node 1, which stays up"):
             run, names, noticed_at, metadata = notice_node_1(followed, trained=1)
@@ -263,10 +264,12 @@ def in_place(venv, tmp_path_factory) -> Launched:
     notice on node 1 once the job trains; once its replacement (node 2) has joined, node 2
     killed whole; its replacement (node 3) joins, or finds the job done."""
     tmp = tmp_path_factory.mktemp("in_place")
-    with cores(), launch(venv, project(tmp / "project"), tmp / "runs", "job.launcher=in_place",
-                         "cluster.min_nodes=1", "cluster.max_preemptions=1",
-                         "cluster.max_restarts=1", f"cluster.price={PRICE}", spares=2,
-                         script=("--poll-seconds", "1", "--sleep", "1")) as followed:
+    # Its processes keep about one core busy (tools/suite-profile: 37% of 2).
+    with cores(1), launch(venv, project(tmp / "project"), tmp / "runs",
+                          "job.launcher=in_place", "cluster.min_nodes=1",
+                          "cluster.max_preemptions=1", "cluster.max_restarts=1",
+                          f"cluster.price={PRICE}", spares=2,
+                          script=("--poll-seconds", "1", "--sleep", "1")) as followed:
         schedule = Schedule("the launch of train.py in place on 2 nodes", lambda: followed.text)
         with schedule.step("a spot notice on node 1, which leaves; its replacement joins "
                            "the running job"):

@@ -184,7 +184,7 @@ def requeued(cluster, tmp_path_factory) -> Iterator[Requeued]:
        checkpoints and exits 75;
     3. node-1 drained, and its rank SIGKILLed (137): the job comes back on node-0 alone,
        with the global batch it was pinned to, and runs to its end."""
-    with cores():
+    with cores(1):  # it keeps about one core busy (tools/suite-profile: 36% of 2)
         job = Job(cluster, tmp_path_factory.mktemp("requeued") / "job",
                   ("nodes=2", "min_nodes=1", "partition=low"), JOB, REPO)
         schedule = Schedule(f"sbatch job {job.id}", job.log)
@@ -297,7 +297,7 @@ def test_srun_starts_one_rank_in_each_nodes_namespace(requeued, cluster):
 STEPS = ("--steps", "30", "--batch", "2", "--save-every", "4")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cores=1)  # about one core busy (tools/suite-profile: 47% of 2)
 def test_a_users_command_is_requeued_after_sigterm_and_ends_with_one_workers_weights(
         cluster, azurite, tmp_path):
     """... with its checkpoints in Azure Blob too (Azurite, which the nodes reach at the

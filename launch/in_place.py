@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -43,7 +42,15 @@ from spotring import contract
 from spotring.exits import EXIT_PEER_LOST
 from spotring.launch import notice
 from spotring.launch.provider import NoCapacity, Node, Provider
-from spotring.launch.run import bring_back, clear_notes, job_for, prepare, results_of, ssh_for
+from spotring.launch.run import (
+    bring_back,
+    clear_notes,
+    job_for,
+    prepare,
+    relay,
+    results_of,
+    ssh_for,
+)
 from spotring.launch.rundir import RunDir
 from spotring.launch.ssh import Ssh, on_each
 
@@ -120,21 +127,12 @@ class _Job:
         popen = self.ssh.popen(node, commands[rank], tty=True, stdin=subprocess.DEVNULL,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         process = _Process(node, slot, len(self.processes), popen, threading.Thread(
-            target=self._pump, args=(popen.stdout, f"[{node.id}/{slot}] "), daemon=True))
+            target=relay, args=(popen.stdout, self.out, f"[{node.id}/{slot}] ", self.lock),
+            daemon=True))
         process.pump.start()
         self.processes.append(process)
         log.info("in place: started %s%s", process.name,
                  ", to join the running job" if joining else "")
-
-    def _pump(self, stdout: IO[bytes], prefix: str) -> None:
-        """A process's lines, here and into job.log, each after its name."""
-        for raw in stdout:
-            line = prefix + raw.decode(errors="replace").replace("\r\n", "\n")
-            with self.lock:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-                self.out.write(line)
-                self.out.flush()
 
     def running(self) -> list[_Process]:
         return [p for p in self.processes if p.code is None]

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tarfile
 from collections import deque
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -141,7 +141,7 @@ def _start(ssh: Ssh, nodes: list[Node], run: RunDir, commands: dict[int, str]) -
             procs[i] = ssh.popen(nodes[i], command, tty=True, stdin=subprocess.DEVNULL,
                                  stdout=out, stderr=subprocess.STDOUT)
         try:
-            tail = _stream(procs[0].stdout, files.enter_context(open(run.job_log, "w")))
+            tail = relay(procs[0].stdout, files.enter_context(open(run.job_log, "w")))
             codes = [proc.wait() for proc in procs.values()]
         except BaseException:  # Ctrl-C or an error: closing the connections hangs the job up
             for proc in procs.values():
@@ -150,13 +150,17 @@ def _start(ssh: Ssh, nodes: list[Node], run: RunDir, commands: dict[int, str]) -
     return next((c for c in codes if c != 0), 0), tail
 
 
-def _stream(stdout, log_file) -> str:
-    """Copy node 0's output here and to ``log_file`` as it comes; return its last lines."""
+def relay(stdout, log_file, prefix: str = "", lock: AbstractContextManager | None = None
+          ) -> str:
+    """Copy a node's output here and to ``log_file`` as it comes, each line after
+    ``prefix`` (under ``lock``, where several relay at once); return its last lines."""
     tail: deque[str] = deque(maxlen=50)
     for raw in stdout:
-        line = raw.decode(errors="replace").replace("\r\n", "\n")  # the pty's line ends
-        sys.stdout.write(line)
-        sys.stdout.flush()
-        log_file.write(line)
+        line = prefix + raw.decode(errors="replace").replace("\r\n", "\n")  # a pty's ends
+        with lock or nullcontext():
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            log_file.write(line)
+            log_file.flush()
         tail.append(line)
     return "".join(tail)

@@ -92,7 +92,7 @@ def residual(engine: str = "ddp", steps: int = 16, save_every: int = 4, width: i
 
 
 def in_place(steps: int = 16, min_workers: int = 1, sleep: float = 0.05,
-             timeout_s: float = 30) -> None:
+             timeout_s: float = 30, hold_at: int | None = None) -> None:
     """``residual``'s training in a job in place (spotring/elastic/, the rendezvous from
     $SPOTRING_RENDEZVOUS): the ranks vote at every step, a SIGTERM makes its rank leave
     and the others go on, a lost rank's step is taken again; a checkpoint every other
@@ -100,7 +100,8 @@ def in_place(steps: int = 16, min_workers: int = 1, sleep: float = 0.05,
     (whichever process it is at the time) leaves the whole model in weights.pt at the
     end, and every rank prints ``step N loss L`` for each step that stood: not one taken
     again (its collectives failed: its loss is this rank's own, and the step counts once
-    more). Every rank: a rank 0 that is lost takes its last line with it."""
+    more). Every rank: a rank 0 that is lost takes its last line with it. ``hold_at``:
+    as ``residual``'s, rank 0 waits after that step until the test releases it."""
     with spotring.init(seed=0, in_place="auto", min_workers=min_workers, check_every_steps=1,
                        notices="none", timeout_s=timeout_s) as job:
         model, optimizer, loader = _started(job, 128)
@@ -115,6 +116,8 @@ def in_place(steps: int = 16, min_workers: int = 1, sleep: float = 0.05,
                     job.save()
                 if stood:
                     print(f"step {step} loss {mean!r}", flush=True)
+                if job.is_main and step == hold_at:
+                    _held(job.run_dir)
                 if job.step_count >= steps:
                     break
             if job.step_count >= steps:

@@ -32,6 +32,7 @@ from spotring.shards import write
 from tests.conftest import assert_close
 
 STEPS = 16
+AGAIN = "this worker answered the roll call too late: it joins again at the next step's start"
 
 
 @pytest.fixture
@@ -116,6 +117,32 @@ def test_losses_notices_and_joins_change_the_workers_in_place_and_end_exact(
     assert [c["workers"] for c in made] == [[4, 3], [3, 2], [2, 3], [3, 4], [4, 3]], made
     assert [c["why"] for c in made] == ["lost", "leave", "join", "join", "lost"], made
     assert all(0 < c["seconds"] < 30 for c in made), made
+
+
+@pytest.mark.slow
+def test_a_worker_counted_out_by_the_roll_call_joins_again_and_the_job_ends_exact(
+        tmp_path, rendezvous, reference):
+    """One of 3 workers is killed while another is stopped (a host too busy to answer):
+    the roll call counts both out, and the one left trains on alone. The stopped one,
+    let go on, finds itself no member and joins again, taking the state of the one ahead;
+    the weights end equal to 1e-10."""
+    run_dir = tmp_path / "run"
+    with Ranks(run_dir, 3, workloads.in_place, steps=STEPS, hold_at=12) as job:
+        assert job.until(lambda: job.step() >= 4, "step 4")
+        job.signal(2, signal.SIGSTOP)
+        job.signal(1, signal.SIGKILL)
+        assert job.until(lambda: changes(job) >= 1, "the roll call's change",
+                         while_any=True), job.output()[-5000:]
+        job.signal(2, signal.SIGCONT)
+        assert job.until(lambda: AGAIN in job.output(2), "the ask to join again",
+                         while_any=True), job.output()[-5000:]
+        workloads.release(run_dir)
+        codes = job.wait()
+        output = job.output()
+    assert codes == [0, -9, 0], (codes, output[-5000:])
+    made = json.loads((run_dir / "summary.json").read_text())["in_place"]
+    assert [(c["why"], c["workers"]) for c in made] == [("lost", [3, 1]), ("join", [1, 2])]
+    assert_close(workloads.weights(run_dir), reference[1], 1e-10)
 
 
 @pytest.mark.slow

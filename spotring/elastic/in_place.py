@@ -89,6 +89,7 @@ class InPlace:
         self._beating = threading.Event()  # set: the heartbeat stops
         self.changes: list[dict[str, Any]] = []  # each change of members, for the summary
         self._joining = 0  # processes the last vote let in: at the next step's start
+        self._rejoining: int | None = None  # counted out of this generation: joins again
 
     @classmethod
     def begin(cls, options: ElasticOptions, rank: int, world_size: int,
@@ -229,6 +230,10 @@ class InPlace:
     def step_starts(self, job: Job) -> None:
         """Before the first micro-batch of a step is drawn: the processes the last vote let
         in become members, and every member takes the same state."""
+        if self._rejoining is not None:
+            started, number, self._rejoining = time.monotonic(), self._rejoining, None
+            self._form(job, self._admitted(job, number), "joined", started)
+            return
         if not self._joining:
             return
         started, joining, self._joining = time.monotonic(), self._joining, 0
@@ -253,9 +258,17 @@ class InPlace:
         else:
             job._load_small_states(copy.deepcopy(self._kept))
         nxt = self.rendezvous.survivors(self.generation)
-        if self.rendezvous.name not in nxt.members:  # answered too late: join again
+        if self.rendezvous.name not in nxt.members:
+            # Counted out (its heartbeat still through the roll call: a host too busy to
+            # answer). It asks to join again, and is taken in where the members take in
+            # any newcomer: at a step's start (step_starts). Until then its failure stays
+            # kept, so that what the script does after should_stop (a save) starts no
+            # collective.
+            log.warning("this worker answered the roll call too late: it joins again at "
+                        "the next step's start")
             self.rendezvous.ask_to_join()
-            nxt = self.rendezvous.admitted(nxt.number)
+            self._rejoining = nxt.number
+            return False
         self._form(job, nxt, "lost", started)
         if why := _cannot_go_on(job, len(nxt.members), self.options):
             job.save(background=False)
@@ -271,15 +284,20 @@ class InPlace:
         self.rendezvous.ask_to_join()
         log.warning("asked to join the job at %s as %s", self.options.rendezvous,
                     self.rendezvous.name)
+        nxt = self._admitted(job, self.generation.number)
+        self.joining = False
+        self._form(job, nxt, "joined", started)
+        return job.step_count
+
+    def _admitted(self, job: Job, number: int) -> Generation:
+        """The generation after ``number`` that takes in this process, which asked to join
+        (engine.timeout_s). Exits 0 where the job ends first: nothing is left to do."""
         try:
-            nxt = self.rendezvous.admitted(self.generation.number)
+            return self.rendezvous.admitted(number)
         except JobEnded as e:
             log.warning("%s: nothing is left to do; exit 0", e)
             job.close()
             sys.exit(0)
-        self.joining = False
-        self._form(job, nxt, "joined", started)
-        return job.step_count
 
     def _form(self, job: Job, generation: Generation, why: str, started: float) -> None:
         """Form ``generation``'s group, and every rank takes the state of the one that
@@ -290,9 +308,11 @@ class InPlace:
             self.generation = generation
             job.engine.failure = None  # the last generation's
         job._regroup(self._group(generation))
-        steps = job.engine.all_gather_object(self.applied)
+        # Decided from what every rank says, so that all take part in the sending or none.
+        said = job.engine.all_gather_object((self.applied, why in ("join", "joined")))
+        steps = [applied for applied, _ in said]
         source = steps.index(max(steps))
-        if min(steps) != max(steps) or why in ("join", "joined"):
+        if min(steps) != max(steps) or any(new for _, new in said):
             _send_state(job, source)
             self.applied = steps[source]
         self.commit(job)

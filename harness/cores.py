@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from filelock import FileLock, Timeout
@@ -88,5 +88,6 @@ def share(folder: Path) -> None:
 
 def cores(n: int | None = None):
     """``with cores(n):`` holds ``n`` of the machine's cores (default: all) across the
-    session's workers: a job of n processes, which no other job then slows down."""
-    return _SESSION[0].hold(n)
+    session's workers: a job of n processes, which no other job then slows down. Outside
+    a test session (a benchmark's script) there is no one to share with: it holds none."""
+    return _SESSION[0].hold(n) if _SESSION else nullcontext()

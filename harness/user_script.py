@@ -44,6 +44,12 @@ w = torch.tensor([1.0, -2.0, 3.0, 0.5], dtype=torch.float64)
 y = x @ w + 0.1 * torch.randn(64, generator=g, dtype=torch.float64)
 data = torch.utils.data.TensorDataset(x, y)
 
+
+@torch.no_grad()
+def test_loss(model):
+    return ((model(x).squeeze(1) - y) ** 2).mean().item()
+
+
 notices = spotring.PreemptionOptions(poll_seconds=args.poll_seconds)
 with spotring.init(seed=0, preemption=notices) as job:
     model = torch.nn.Linear(4, 1, dtype=torch.float64)
@@ -69,15 +75,14 @@ with spotring.init(seed=0, preemption=notices) as job:
             time.sleep(args.sleep)
             if job.step_count >= args.steps:
                 break
-        with torch.no_grad():
-            test_loss = ((model(x).squeeze(1) - y) ** 2).mean().item()
-        job.log("test", loss=test_loss)
+        job.log("test", loss=test_loss(model))
         if job.step_count >= args.steps:
             break
     plain = job.unwrap(model)
     weights = [*plain.weight.detach().flatten().tolist(), *plain.bias.detach().tolist()]
-    print(f"trained {job.step_count} steps on {job.world_size} workers: test loss {test_loss}")
-    job.finish(test_loss=test_loss, weights=weights)
+    loss = test_loss(model)  # a run resumed at its last step trains no epoch
+    print(f"trained {job.step_count} steps on {job.world_size} workers: test loss {loss}")
+    job.finish(test_loss=loss, weights=weights)
 '''
 
 PLAIN = '''\

@@ -23,7 +23,8 @@ and their replacements join it (spotring/elastic/, docs/elastic.md).
     4. once every process has ended: rank 0's run directory back from the node of the
        job's rank 0 at its end (the earliest-started process of the last members), and
        the exit code of the job's end (0, or 75 where the others could not go on: the
-       run then restarts from the checkpoint, as any launch does).
+       run then restarts from the checkpoint, as any launch does). Where every process
+       exits without the job's end, none is left to join: the same restart.
 """
 
 from __future__ import annotations
@@ -204,6 +205,11 @@ def _follow(job: _Job, ended: Callable[[], bool], replace: Replace | None,
                 p.code, p.final = code, code == 0 or ended()
                 if not p.final:
                     left.append(p)
+        if left and not job.running() and not ended():
+            # Every process left without the job's end (a crash on all): none is left to
+            # join, so the job is started again from its checkpoint (the try's exit code
+            # to launch/recover.py), as any launch is.
+            return
         if not left and time.monotonic() - checked < job.cfg.cluster.notice_poll_s:
             continue
         checked = time.monotonic()

@@ -150,7 +150,8 @@ class InPlace:
                     continue
 
         rendezvous.beat()
-        threading.Thread(target=beating, name="spotring-heartbeat", daemon=True).start()
+        self._heart = threading.Thread(target=beating, name="spotring-heartbeat", daemon=True)
+        self._heart.start()
 
     def _give_up(self, engine: Any, number: int, why: str) -> None:
         """(The heartbeat's thread.) Every collective of generation ``number`` this rank
@@ -161,8 +162,13 @@ class InPlace:
 
     def close(self, leaving: bool) -> None:
         """Stop the heartbeat: this process leaves the job, alone (``leaving``) or with
-        every other member (the store says so: its launcher replaces none of them)."""
+        every other member (the store says so: its launcher replaces none of them).
+        Waits for the heartbeat's request in flight (bounded by the store's timeout): a
+        thread left inside the store's C++ call while the interpreter exits aborts the
+        process ("terminate called without an active exception") after a job that
+        succeeded, which its launcher would take for a failure."""
         self._beating.set()
+        self._heart.join(timeout=self.rendezvous.timeout_s)
         if not leaving and not self.joining:
             self.rendezvous.end()
 

@@ -213,7 +213,11 @@ class ProcessGroupEngine(Engine):
         current one. The group is dropped from the training thread, at once after.)"""
         with self._in_flight_lock:
             if group_number in (None, self.group_number):
-                self.failure = self.failure or error
+                # Kept without its traceback, whose frames hold the group the collective
+                # failed in (DDP's own, at the second forward after a regroup): dropped,
+                # that group must close its connections at once, so that the peers still
+                # waiting in it go on, not at its timeout.
+                self.failure = self.failure or error.with_traceback(None)
 
     def give_up(self, error: BaseException) -> None:
         """In place: a worker is lost (another rank met it: ``error`` says so); every

@@ -193,7 +193,11 @@ class DataLoader(torch.utils.data.DataLoader):
                 yield batch
             # Set again (or split anew) between two steps: the batches from there on,
             # within this epoch; a position in another one ends this epoch's iteration.
+            # The end of the epoch before is this one's start: where a job in place takes
+            # again the first step of this epoch, from the position kept before it.
             self._restart, self._handed = False, 0
+            if self.epoch == epoch - 1 and len(sampler) == 0:
+                sampler.set_epoch(epoch)
             if self.epoch != epoch:
                 return
             batches = super().__iter__()

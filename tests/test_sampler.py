@@ -130,6 +130,23 @@ def test_set_epoch_keeps_the_position_in_the_same_epoch_and_starts_another_at_0(
     assert next(iter(loader))[1].tolist() == expected(0)[0]  # reproducible
 
 
+def test_a_first_step_taken_again_from_the_end_of_the_epoch_before_stays_in_its_epoch():
+    """A job in place takes a dropped step again from the position it kept at the boundary
+    before it (load_state_dict mid-iteration): for an epoch's first step, the end of the
+    epoch before. The iteration goes on in its own epoch, and no epoch is skipped."""
+    loader = DataLoader(DATA, G, seed=SEED, rank=0, world_size=1)
+    seen, kept, dropped = [], None, False
+    for epoch in loader.epochs(3):
+        for _, y in loader:
+            if epoch == 1 and not dropped:  # its first step dropped: taken again
+                loader.load_state_dict(kept)
+                dropped = True
+                continue
+            seen.append((epoch, y.tolist()))
+        kept = loader.state_dict()
+    assert dropped and seen == [(e, b) for e in range(3) for b in expected(e)]
+
+
 def test_the_step_boundary_and_the_position_follow_the_micro_batches_handed_out():
     loader = DataLoader(DATA, G, batch_size=4, seed=SEED, rank=1, world_size=2)
     assert isinstance(loader, torch.utils.data.DataLoader)

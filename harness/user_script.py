@@ -3,12 +3,15 @@ otherwise empty project directory: the library API (`import spotring`) around a 
 least-squares model, so that N workers end with one worker's parameters to 1e-10.
 
     python train.py --steps 40 --lr 0.1 --batch 8 --sleep 0 --save-every 10 [--poll-seconds S]
+                    [--pause-file PATH]
 
 It checkpoints every --save-every steps, stops on a spot notice (its cloud's metadata
 service watched, asked every --poll-seconds where it answers at once) or SIGTERM with
 exit 75, resumes from its newest checkpoint (one of its last step: it trains no more),
 logs a train record every step and a test record at every epoch end (what `spotring
 sweep` prunes on), and ends with summary.json holding ``test_loss`` and ``weights``.
+Each step ends waiting while --pause-file exists: a test holds the job between two
+steps with it until an event of its own (a replacement's start) has come.
 ``PLAIN`` is a script that does not use the library.
 """
 
@@ -24,6 +27,7 @@ from harness.cores import cores
 TRAIN_PY = '''\
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
@@ -36,6 +40,7 @@ p.add_argument("--batch", type=int, default=8)
 p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--save-every", type=int, default=10)
 p.add_argument("--poll-seconds", type=float, default=0.5)  # spotring's default
+p.add_argument("--pause-file", type=Path)
 args = p.parse_args()
 
 g = torch.Generator().manual_seed(0)
@@ -73,6 +78,8 @@ with spotring.init(seed=0, preemption=notices) as job:
             if job.step_count % args.save_every == 0:
                 job.save()
             time.sleep(args.sleep)
+            while args.pause_file and args.pause_file.exists():
+                time.sleep(0.05)
             if job.step_count >= args.steps:
                 break
         job.log("test", loss=test_loss(model))

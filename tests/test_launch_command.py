@@ -262,21 +262,31 @@ def test_the_ledger_bills_each_node_for_its_own_seconds_and_names_each_restart(r
 def in_place(venv, tmp_path_factory) -> Launched:
     """`spotring launch ... job.launcher=in_place`, 2 nodes of 1 slot and 2 to spare: a
     notice on node 1 once the job trains; once its replacement (node 2) has joined, node 2
-    killed whole; its replacement (node 3) joins, or finds the job done."""
+    killed whole; its replacement (node 3) joins, or finds the job done. Node 0, alone
+    after node 1 left, pauses between two steps until node 2 asks to join: however long
+    node 2 takes to start, the job has most of its steps left when node 2 is killed."""
     tmp = tmp_path_factory.mktemp("in_place")
+    pause = tmp / "pause"
     # Its processes keep about one core busy (tools/suite-profile: 37% of 2).
     with cores(1), launch(venv, project(tmp / "project"), tmp / "runs",
                           "job.launcher=in_place", "cluster.min_nodes=1",
                           "cluster.max_preemptions=1", "cluster.max_restarts=1",
                           f"cluster.price={PRICE}", spares=2,
-                          script=("--poll-seconds", "1", "--sleep", "1")) as followed:
+                          script=("--poll-seconds", "1", "--sleep", "1",
+                                  "--pause-file", str(pause))) as followed:
         schedule = Schedule("the launch of train.py in place on 2 nodes", lambda: followed.text)
-        with schedule.step("a spot notice on node 1, which leaves; its replacement joins "
-                           "the running job"):
+        with schedule.step("a spot notice on node 1, which leaves; node 0 trains on alone"):
             run, names, noticed_at, metadata = notice_node_1(
                 followed, trained=1,
-                answer=lambda names: f"[{names.ns(2)}/0] spotring: in place: 1 -> 2 workers")
-            metadata.close()
+                answer=lambda names: f"[{names.ns(0)}/0] spotring: in place: 2 -> 1 workers")
+            pause.touch()
+        with schedule.step("node 1's replacement asks to join the running job, which takes "
+                           "it in"):
+            followed.wait_for(lambda: f"[{names.ns(2)}/0] spotring: asked to join" in followed.text)
+            pause.unlink()
+            metadata.close()  # up until the launcher has seen it and replaced node 1
+            followed.wait_for(
+                lambda: f"[{names.ns(2)}/0] spotring: in place: 1 -> 2 workers" in followed.text)
         with schedule.step("the replacement vanishes: every process of it killed at once"):
             vanished_at = time.time()
             netns.delete_namespace(names.ns(2), stops=((signal.SIGKILL, 5.0),))

@@ -23,6 +23,7 @@ import spotring
 GLOBAL_BATCH, SAMPLES = 12, 96
 STEPS_PER_EPOCH = SAMPLES // GLOBAL_BATCH
 _GO = "go"  # the file that lets a held run go on
+_HELD = "held"  # the file a run held at its hold_at step makes
 
 
 class Block(nn.Module):
@@ -101,13 +102,15 @@ def in_place(steps: int = 16, min_workers: int = 1, sleep: float = 0.05,
     end, and every rank prints ``step N loss L`` for each step that stood: not one taken
     again (its collectives failed: its loss is this rank's own, and the step counts once
     more). Every rank: a rank 0 that is lost takes its last line with it. ``hold_at``:
-    as ``residual``'s, rank 0 waits after that step until the test releases it."""
+    rank 0 waits after that step's update, before the loss is averaged (the others wait
+    in that collective), until the test releases it."""
     with spotring.init(seed=0, in_place="auto", min_workers=min_workers, check_every_steps=1,
                        notices="none", timeout_s=timeout_s) as job:
         model, optimizer, loader = _started(job, 128)
         for _ in loader.epochs(-(-steps // loader.steps_per_epoch)):
             for xb, yb in loader if job.step_count < steps else ():
-                mean = _trained(job, model, optimizer, xb, yb)
+                mean = _trained(job, model, optimizer, xb, yb,
+                                held=job.is_main and job.step_count == hold_at)
                 step, stood = job.step_count, job.engine.failure is None
                 time.sleep(sleep)
                 if job.should_stop():
@@ -116,8 +119,6 @@ def in_place(steps: int = 16, min_workers: int = 1, sleep: float = 0.05,
                     job.save()
                 if stood:
                     print(f"step {step} loss {mean!r}", flush=True)
-                if job.is_main and step == hold_at:
-                    _held(job.run_dir)
                 if job.step_count >= steps:
                     break
             if job.step_count >= steps:
@@ -138,12 +139,15 @@ def _started(job: spotring.Job, width: int) -> tuple[nn.Module, torch.optim.Opti
 
 
 def _trained(job: spotring.Job, model: nn.Module, optimizer: torch.optim.Optimizer,
-             xb: torch.Tensor, yb: torch.Tensor) -> float:
-    """One step on this rank's batch; the loss averaged over the ranks."""
+             xb: torch.Tensor, yb: torch.Tensor, held: bool = False) -> float:
+    """One step on this rank's batch; the loss averaged over the ranks. ``held``: this
+    rank waits after the update, before the loss's collective, until ``release``."""
     loss = ((model(xb) - yb) ** 2).mean()
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
+    if held:
+        _held(job.run_dir)
     return job.all_reduce(loss.detach()).item()
 
 
@@ -158,8 +162,14 @@ def _ended(job: spotring.Job, model: nn.Module) -> None:
 
 
 def _held(run_dir) -> None:
+    (run_dir / _HELD).touch()
     while not (run_dir / _GO).exists():
         time.sleep(0.01)
+
+
+def held(run_dir) -> bool:
+    """Whether a run waits at its ``hold_at`` step (until ``release``)."""
+    return (run_dir / _HELD).exists()
 
 
 def release(run_dir) -> None:

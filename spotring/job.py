@@ -299,8 +299,9 @@ class Job:
 
     @property
     def is_main(self) -> bool:
-        """Rank 0: the one process that writes files."""
-        return self.rank == 0
+        """Rank 0: the one process that writes files (not a worker the roll call of a job
+        in place counted out: it is no member until taken in again)."""
+        return self.rank == 0 and not (self._in_place is not None and self._in_place.counted_out)
 
     # ----------------------------------------------------------------- data and model
 
@@ -523,6 +524,10 @@ class Job:
             from the training thread once it is published: at the next should_stop, save
             or close, never in the middle of a line the script prints. False: complete
             (and said) before it returns."""
+        if self._in_place is not None and self._in_place.counted_out:
+            log.warning("the checkpoint of step %d is the others': this worker is no member "
+                        "until it is taken in again", self.step_count)
+            return self.step_count
         if self.is_main and not self._noted_where:
             note_where(self.run_dir, self.checkpoints)
             self._noted_where = True
@@ -625,6 +630,8 @@ class Job:
         """Rank 0: summary.json in run_dir (what ``spotring sweep`` and the reports read:
         ``results`` such as test_accuracy, over the run's steps, workers, global batch,
         seconds and img/s); then leave the process group. Returns the summary."""
+        if self._in_place is not None:
+            self._in_place.finishing(self)
         seconds = time.perf_counter() - self._started
         position = self._position or self._loader
         steps = self.step_count - self._start_step

@@ -179,7 +179,10 @@ class DataLoader(torch.utils.data.DataLoader):
         batches = super().__iter__()
         while True:
             while True:
-                if self._handed % self.accumulation == 0 and self.before_step is not None:
+                # Only before a step there is: none is taken at the epoch's end (a job in
+                # place then takes a joiner in at the next epoch's first step).
+                if (self._handed % self.accumulation == 0 and self.before_step is not None
+                        and len(sampler)):
                     self.before_step()  # may split the batches anew: _restart
                 if self._restart:
                     break

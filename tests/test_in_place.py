@@ -151,6 +151,34 @@ def test_a_worker_counted_out_by_the_roll_call_joins_again_and_the_job_ends_exac
 
 
 @pytest.mark.slow
+def test_a_worker_counted_out_at_the_last_step_writes_nothing_and_exits_0_at_the_jobs_end(
+        tmp_path, rendezvous, reference):
+    """Rank 0 is stopped after the last step's update, the others waiting for it in the
+    step's last collective, and one of them is killed: the roll call counts rank 0 out,
+    and the one left ends the job as rank 0. The stopped one, let go on, ends its script
+    too, but as no member: the summary and the weights are the new rank 0's, and it exits
+    0 without ending the job."""
+    run_dir = tmp_path / "run"
+    with Ranks(run_dir, 3, workloads.in_place, steps=STEPS, hold_at=STEPS) as job:
+        assert job.until(lambda: workloads.held(run_dir), f"rank 0 held at step {STEPS}")
+        job.signal(0, signal.SIGSTOP)
+        job.signal(1, signal.SIGKILL)
+        workloads.release(run_dir)  # rank 0 goes on once let go on
+        assert job.until(lambda: job.running() == [0], "the job's end on the one left",
+                         while_any=True), job.output()[-5000:]
+        job.signal(0, signal.SIGCONT)
+        codes = job.wait()
+        output = job.output()
+    assert codes == [0, -9, 0], (codes, output[-5000:])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    made = [(c["why"], c["workers"]) for c in summary["in_place"]]
+    assert (made, summary["world_size"], summary["steps"]) == ([("lost", [3, 1])], 1, STEPS)
+    assert_close(workloads.weights(run_dir), reference[1], 1e-10)
+    assert "counted out at the job's last step" in job.output(0), job.output(0)[-3000:]
+    assert "nothing is left to do; exit 0" in job.output(0), job.output(0)[-3000:]
+
+
+@pytest.mark.slow
 def test_streamed_shards_keep_every_global_batchs_keys_through_a_loss_and_a_join(
         tmp_path, s3, rendezvous):
     """spotring.Shards from S3 on 3 workers in place: one is killed, a new one joins; every

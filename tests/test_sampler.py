@@ -147,6 +147,23 @@ def test_a_first_step_taken_again_from_the_end_of_the_epoch_before_stays_in_its_
     assert dropped and seen == [(e, b) for e in range(3) for b in expected(e)]
 
 
+def test_a_step_starts_once_before_each_of_its_micro_batches_and_never_at_an_epochs_end():
+    """``before_step`` (where a job in place takes a joiner in) runs once per step, before
+    the step's first micro-batch, and not at the end of an epoch, where no step follows:
+    the members would take in a process for a step none of them takes."""
+    loader = DataLoader(DATA, G, batch_size=4, seed=SEED, rank=1, world_size=2)
+    events = []
+    loader.before_step = lambda: events.append(("starts", loader.state_dict()["offset"]))
+    for epoch in loader.epochs(2):
+        for _ in loader:
+            events.append(("batch", epoch))
+    step = [("batch", 0)] * loader.accumulation
+    assert events[:1 + loader.accumulation] == [("starts", 0), *step]
+    assert [e for e in events if e[0] == "starts"] == [("starts", k * G)
+                                                       for k in range(STEPS)] * 2
+    assert len(events) == 2 * STEPS * (1 + loader.accumulation)
+
+
 def test_the_step_boundary_and_the_position_follow_the_micro_batches_handed_out():
     loader = DataLoader(DATA, G, batch_size=4, seed=SEED, rank=1, world_size=2)
     assert isinstance(loader, torch.utils.data.DataLoader)

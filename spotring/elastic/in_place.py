@@ -161,15 +161,16 @@ class InPlace:
                 engine.give_up(ConnectionError(why))
 
     def close(self, leaving: bool) -> None:
-        """Stop the heartbeat: this process leaves the job, alone (``leaving``) or with
-        every other member (the store says so: its launcher replaces none of them).
+        """Stop the heartbeat: this process leaves the job, alone (``leaving``, or no member
+        now) or with every other member (the store says so: its launcher replaces none of
+        them).
         Waits for the heartbeat's request in flight (bounded by the store's timeout): a
         thread left inside the store's C++ call while the interpreter exits aborts the
         process ("terminate called without an active exception") after a job that
         succeeded, which its launcher would take for a failure."""
         self._beating.set()
         self._heart.join(timeout=self.rendezvous.timeout_s)
-        if not leaving and not self.joining:
+        if not (leaving or self.joining or self.counted_out):
             self.rendezvous.end()
 
     def _group(self, generation: Generation) -> Group:
@@ -233,12 +234,17 @@ class InPlace:
             self.commit(job)
         return False
 
+    @property
+    def counted_out(self) -> bool:
+        """Counted out by the roll call and not yet taken in again: no member, so this
+        process writes nothing of the job's (a checkpoint's part, the summary)."""
+        return self._rejoining is not None
+
     def step_starts(self, job: Job) -> None:
         """Before the first micro-batch of a step is drawn: the processes the last vote let
         in become members, and every member takes the same state."""
         if self._rejoining is not None:
-            started, number, self._rejoining = time.monotonic(), self._rejoining, None
-            self._form(job, self._admitted(job, number), "joined", started)
+            self._rejoin(job)
             return
         if not self._joining:
             return
@@ -280,6 +286,22 @@ class InPlace:
             job.save(background=False)
             return job._stop_all(f"a worker was lost and {why}")
         return False
+
+    def finishing(self, job: Job) -> None:
+        """``job.finish()``: a worker counted out at the job's last step (its update went
+        through, so its script ended too) is taken in by no step of the members; it waits
+        for them to end the job, and exits 0."""
+        if self._rejoining is not None:
+            log.warning("this worker was counted out at the job's last step: the others "
+                        "end the job")
+            self._rejoin(job)
+
+    def _rejoin(self, job: Job) -> None:
+        """A counted-out worker taken in again, as any process joining (``join``)."""
+        started = time.monotonic()
+        generation = self._admitted(job, self._rejoining)
+        self._rejoining = None
+        self._form(job, generation, "joined", started)
 
     def join(self, job: Job) -> int | None:
         """``job.restore()`` of a process that is joining: ask the members to take it in,

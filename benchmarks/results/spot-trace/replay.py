@@ -232,6 +232,9 @@ def main() -> None:
                    help="the launches, uninterrupted first (the others are held against it)")
     p.add_argument("--work", type=Path, help="where the runs are kept (default: deleted)")
     args = p.parse_args()
+    # SIGTERM unwinds as Ctrl-C does: each launch's `with` stops its launcher, which takes
+    # down the nodes it started (by default SIGTERM would leave them running).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     first, last = (int(t) for t in args.window.split(":"))
     events = drops(args.trace, first, last, args.tick_seconds)
     print(f"{sum(n for _, n in events)} nodes lost at {[round(t) for t, _ in events]} s",

@@ -243,7 +243,7 @@ class InPlace:
     def step_starts(self, job: Job) -> None:
         """Before the first micro-batch of a step is drawn: the processes the last vote let
         in become members, and every member takes the same state."""
-        if self._rejoining is not None:
+        if self.counted_out:
             self._rejoin(job)
             return
         if not self._joining:
@@ -291,7 +291,7 @@ class InPlace:
         """``job.finish()``: a worker counted out at the job's last step (its update went
         through, so its script ended too) is taken in by no step of the members; it waits
         for them to end the job, and exits 0."""
-        if self._rejoining is not None:
+        if self.counted_out:
             log.warning("this worker was counted out at the job's last step: the others "
                         "end the job")
             self._rejoin(job)

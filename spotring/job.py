@@ -299,9 +299,15 @@ class Job:
 
     @property
     def is_main(self) -> bool:
-        """Rank 0: the one process that writes files (not a worker the roll call of a job
-        in place counted out: it is no member until taken in again)."""
-        return self.rank == 0 and not (self._in_place is not None and self._in_place.counted_out)
+        """Rank 0: the one process that writes files (not a worker counted out of a job in
+        place)."""
+        return self.rank == 0 and not self._counted_out
+
+    @property
+    def _counted_out(self) -> bool:
+        """A worker the roll call of a job in place counted out: no member until it is
+        taken in again, so it writes nothing of the job's."""
+        return self._in_place is not None and self._in_place.counted_out
 
     # ----------------------------------------------------------------- data and model
 
@@ -524,7 +530,7 @@ class Job:
             from the training thread once it is published: at the next should_stop, save
             or close, never in the middle of a line the script prints. False: complete
             (and said) before it returns."""
-        if self._in_place is not None and self._in_place.counted_out:
+        if self._counted_out:
             log.warning("the checkpoint of step %d is the others': this worker is no member "
                         "until it is taken in again", self.step_count)
             return self.step_count

@@ -57,7 +57,7 @@ def mlp() -> nn.Module:
 MODELS = {"convnet": (convnet, 300, 100, 0.0), "mlp": (mlp, 20, 10, 0.9)}
 
 
-def train(in_place: bool, model: str) -> None:
+def train(in_place: bool, name: str) -> None:
     """One rank's job: prints ``timed S`` (rank 0) and ``rss MB`` (every rank)."""
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
@@ -66,7 +66,7 @@ def train(in_place: bool, model: str) -> None:
     with spotring.init(seed=0, notices="none", **({"in_place": "auto"} if in_place else {})
                        ) as job:
         loader = job.loader(data, GLOBAL_BATCH)
-        make, steps, timed_from, momentum = MODELS[model]
+        make, steps, timed_from, momentum = MODELS[name]
         model, optimizer = job.wrap(make(), lambda p: torch.optim.SGD(p, lr=0.01,
                                                                       momentum=momentum))
         job.track(model=model, optimizer=optimizer, loader=loader)
@@ -91,7 +91,7 @@ def train(in_place: bool, model: str) -> None:
               flush=True)
 
 
-def run(tmp: Path, name: str, in_place: bool, model: str) -> dict:
+def run(tmp: Path, folder: str, in_place: bool, model: str) -> dict:
     env = dict(os.environ)
     server = None
     if in_place:
@@ -100,7 +100,7 @@ def run(tmp: Path, name: str, in_place: bool, model: str) -> dict:
                                   text=True)
         env["SPOTRING_RENDEZVOUS"] = re.search(r"at (\S+)", server.stdout.readline())[1]
     try:
-        with Ranks(tmp / name, 2, train, env=env, in_place=in_place, model=model) as job:
+        with Ranks(tmp / folder, 2, train, env=env, in_place=in_place, name=model) as job:
             codes = job.wait(900)
             output = job.output()
     finally:

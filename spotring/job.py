@@ -83,7 +83,7 @@ from spotring.options import (
     PreemptionOptions,
     require_one_of,
 )
-from spotring.position import Position
+from spotring.position import Position, Resharded
 from spotring.preemption import Preemption, notice_budget
 from spotring.shards.dataset import gather_reads
 from spotring.stores import write_atomic
@@ -473,19 +473,20 @@ class Job:
         for obj in state.values():
             if isinstance(obj, Position):
                 self._position = obj
-            if isinstance(obj, DataLoader):
+            if isinstance(obj, Resharded):
                 self._hook(obj)
+            if isinstance(obj, DataLoader):
                 self.count_reads(obj.dataset)
 
-    def _hook(self, loader: DataLoader) -> None:
+    def _hook(self, position: Resharded) -> None:
         """In place: processes join at the start of a step, before its first micro-batch
-        is drawn from the loader that counts the steps: where a process that joins
+        is drawn by the position that counts the steps: where a process that joins
         begins too (after ``restore``), so that the members make no collective it does
         not (a save after should_stop, say)."""
         if self._in_place is not None:
-            loader.before_step = lambda: (
-                self._in_place.step_starts(self) if loader is (self._position or self._loader)
-                else None)
+            position.before_step = lambda: (
+                self._in_place.step_starts(self)
+                if position is (self._position or self._loader) else None)
 
     def count_reads(self, *datasets: Any) -> None:
         """Give the reads of ``datasets`` (those that count theirs: spotring.Shards) in
@@ -692,17 +693,18 @@ class Job:
 
     def _regroup(self, group: Group) -> None:
         """Form ``group``'s process group in place of this one: the engine and DDP's
-        reducer move to it, the loaders split the same global batches over its ranks, the
-        vote and the checkpoints' collectives start anew, and its rank 0 writes."""
+        reducer move to it, the loaders (every tracked position.Resharded) split the same
+        global batches over its ranks, the vote and the checkpoints' collectives start
+        anew, and its rank 0 writes."""
         self.engine.regroup(group)
         self.rank, self.world_size = self.engine.rank, self.engine.world_size
         self._checkpointer.regrouped()
         self.preemption.regrouped()
-        for loader in {id(o): o for o in [*self._tracked.values(), self._loader]
-                       if isinstance(o, DataLoader)}.values():
-            loader.reshard(self.rank, self.world_size)
-            self._accumulation = loader.accumulation if loader is self._loader \
-                else self._accumulation
+        for resharded in {id(o): o for o in [*self._tracked.values(), self._loader]
+                          if isinstance(o, Resharded)}.values():
+            resharded.reshard(self.rank, self.world_size)
+        if isinstance(counting := self._position or self._loader, Resharded):
+            self._accumulation = counting.accumulation
         if self._telemetry is not None and self._telemetry.enabled != self.is_main:
             self._telemetry.close()
             self._telemetry = None  # made again, by rank 0 alone

@@ -1,7 +1,9 @@
-"""Where a job stands in its data: the one protocol the job reads its step from, and the
-one rule for a checkpoint of another global batch.
+"""Where a job stands in its data: the one protocol the job reads its step from, the one
+a job in place splits its batches anew through, and the one rule for a checkpoint of
+another global batch.
 
     class Position(Protocol):      epoch, offset, global_batch, steps_per_epoch, step
+    class Resharded(Protocol):     accumulation, before_step, reshard(rank, world_size)
 
 spotring.DataLoader is one, and so is the built-in trainer's position
 (trainer/loop.py); a job tracks one (``job.track(loader=loader)``, or made by
@@ -15,6 +17,7 @@ streamed dataset's order depends on the global batch itself.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from spotring.exits import ConfigError
@@ -40,6 +43,25 @@ class Position(Protocol):
 
     @property
     def step(self) -> int: ...
+
+
+@runtime_checkable
+class Resharded(Protocol):
+    """A tracked object that follows the workers of a job in place (spotring/elastic/):
+    spotring.DataLoader, or the built-in trainer's position. At every change of workers
+    the job calls ``reshard`` with this process's new place, before the next step
+    starts; the steps go on from the position as it stands, each worker taking its share
+    of the same global batches in ``accumulation`` micro-steps (the tracked position's
+    count is the job's). ``before_step``, where the job sets it, is called before the
+    first micro-batch of each step is drawn: where the job takes in the processes that
+    join it, which may split the batches anew."""
+
+    before_step: Callable[[], None] | None
+
+    @property
+    def accumulation(self) -> int: ...
+
+    def reshard(self, rank: int, world_size: int) -> None: ...
 
 
 def refuse_another_global_batch(saved: int, current: int, key: str = "global_batch") -> None:

@@ -104,10 +104,23 @@ def test_an_option_the_chosen_engine_lacks_is_refused_naming_its_options_class()
     ("preemption.check_every_steps=0", "preemption.check_every_steps=0: must be positive"),
     ("checkpoint.keep=0", "checkpoint.keep=0: must be positive"),
     ("checkpoint.uri=bucket/prefix", "checkpoint.uri=bucket/prefix: expected s3://bucket/"),
+    ("elastic.min_workers=0", "elastic.min_workers=0: must be positive"),
 ])
 def test_spotrings_own_options_are_checked_by_spotrings_rules_under_the_trainers_keys(
         override, says):
     assert says in problems(override)
+
+
+def test_in_place_without_a_global_batch_is_refused(monkeypatch):
+    """In place, asked for here or by a launcher's environment, needs train.global_batch:
+    a process that joins, alone until it is taken in, would make its global batch from
+    train.batch_size x 1 worker."""
+    monkeypatch.delenv("SPOTRING_IN_PLACE", raising=False)
+    assert "elastic.in_place=auto with train.global_batch unset" in problems(
+        "elastic.in_place=auto")
+    monkeypatch.setenv("SPOTRING_IN_PLACE", "on")
+    assert "elastic.in_place=on with train.global_batch unset" in problems()
+    validate(compose_config("train.global_batch=128"))
 
 
 # Open MPI's variables for rank 0 of a job of 1, as mpirun sets them: runtime.detect reads

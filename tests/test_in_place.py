@@ -20,6 +20,7 @@ import re
 import signal
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -29,7 +30,7 @@ from harness.ranks import Ranks
 from spotring.exits import EXIT_CONFIG, EXIT_PREEMPTED
 from spotring.launch.commands import BIN
 from spotring.shards import write
-from tests.conftest import assert_close
+from tests.conftest import QUICK, Run, assert_close, run_trainer
 
 STEPS = 16
 AGAIN = "this worker answered the roll call too late: it joins again at the next step's start"
@@ -212,6 +213,56 @@ def test_streamed_shards_keep_every_global_batchs_keys_through_a_loss_and_a_join
     assert len(history) >= steps - 1 and steps in history, sorted(history)
     assert {w for w in re.findall(r"^keys \d+ \d+/(\d+) ", output, re.M)} == {"2", "3"}
     assert_close(workloads.weights(run_dir), workloads.weights(reference), 1e-10)
+
+
+@pytest.mark.slow
+def test_the_trainer_in_place_through_a_notice_a_join_rank_0_lost_and_a_join_ends_exact(
+        tmp_path, rendezvous):
+    """`spotring train` on 2 workers in place (as `spotring launch job.launcher=in_place`
+    starts it): one leaves on a notice, a new process joins, rank 0's is killed, another
+    joins. The trainer splits its global batch anew at each change (2, 1, 2, 1, 2 workers)
+    and takes the dropped step again; it ends with the uninterrupted run's weights, and
+    its summary lists the changes. The training reads are held while a joiner starts
+    (harness/held_data.py), so that the job waits for it rather than racing it."""
+    hold = tmp_path / "hold"
+    args = [*QUICK, "model._target_=harness.held_data.net", "+model.width=8",
+            "dataset._target_=harness.held_data.data", "+dataset.train_size=3200",
+            f"+dataset.hold={hold}", "data.workers=0", "train.global_batch=32",
+            "train.batch_size=16", "train.epochs=2", "train.dtype=float64",
+            "train.threads=1", "train.channels_last=false", "train.precision=fp32"]
+    reference = run_trainer(tmp_path / "reference", *args, launcher="spawned")
+    run_dir = tmp_path / "run"
+    with Ranks(run_dir, 2, ranks.trainer, env={"SPOTRING_IN_PLACE": "on"},
+               argv=[f"hydra.run.dir={run_dir}", *args]) as job:
+        def seen(text: str, index: int | None = None) -> None:
+            assert job.until(lambda: text in job.output(index), text, while_any=True), \
+                job.output()[-5000:]
+
+        def joins() -> None:  # one more process, taken in once it asked to join
+            hold.touch()
+            seen("asked to join", job.start_another())
+            hold.unlink()
+
+        assert job.until(lambda: '"kind": "train"' in _read(run_dir / "metrics.jsonl"),
+                         "the first train record (step 10)"), job.output()[-5000:]
+        job.signal(1, signal.SIGTERM)
+        seen("2 -> 1 workers")
+        joins()
+        seen("1 -> 2 workers")
+        job.signal(0, signal.SIGKILL)  # rank 0's process
+        seen("2 -> 1 workers", 2)
+        joins()
+        codes = job.wait()
+    assert codes == [-9, EXIT_PREEMPTED, 0, 0], (codes, job.output()[-5000:])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [(c["why"], c["workers"]) for c in summary["in_place"]] == [
+        ("leave", [2, 1]), ("join", [1, 2]), ("lost", [2, 1]), ("join", [1, 2])], summary
+    assert (summary["steps"], summary["world_size"], summary["accumulation"]) == (200, 2, 1)
+    assert_close(Run(run_dir, None).params(), reference.params(), 1e-10)
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
 
 
 @pytest.mark.slow

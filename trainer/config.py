@@ -5,7 +5,8 @@ their types, so a typo such as ``train.batchsize=64``, or a value outside a fiel
 choices (an enum: ``schedule.decay=linear``), fails in Hydra before anything runs.
 What spotring itself takes is spotring's own classes (spotring/options.py): the
 ``engine`` node is the chosen engine's options class (each engine registered in
-spotring/engines/ is a group option), ``preemption`` is spotring.PreemptionOptions and
+spotring/engines/ is a group option), ``preemption`` and ``elastic`` are
+spotring.PreemptionOptions and spotring.ElasticOptions, and
 ``checkpoint`` extends spotring.CheckpointOptions, so their choices and defaults are
 written there once. What types cannot say (ranges, combinations, torchvision's model
 names) trainer/validation.py checks.
@@ -22,6 +23,7 @@ from spotring import contract
 from spotring.options import (
     CheckpointOptions,
     Device,
+    ElasticOptions,
     EngineOptions,
     Precision,
     PreemptionOptions,
@@ -237,6 +239,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preemption: PreemptionOptions = field(default_factory=PreemptionOptions)
+    elastic: ElasticOptions = field(default_factory=ElasticOptions)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     resume: str = "auto"  # auto | never | PATH of a checkpoint file
 

@@ -72,6 +72,11 @@ class Batches:
     def steps_per_epoch(self) -> int:
         return self.steps_left(0)
 
+    def reshard(self, rank: int, world_size: int, accumulation: int) -> None:
+        """Take ``rank``'s share of the same global batches among ``world_size`` workers,
+        in ``accumulation`` micro-batches, from the next ``train`` or ``test`` on."""
+        self.rank, self.world_size, self.accumulation = rank, world_size, accumulation
+
     def steps_left(self, offset: int) -> int:
         return steps_in_epoch(len(self.dataset.train), self.global_batch, offset)
 
@@ -128,22 +133,32 @@ class LoaderBatches:
                  dtype: torch.dtype = torch.float32,
                  memory_format: torch.memory_format = torch.contiguous_format,
                  workers: int = 2) -> None:
-        self.dataset, self.global_batch = dataset, global_batch
-        self.rank, self.world_size, self.workers = rank, world_size, workers
+        self.dataset, self.global_batch, self.seed = dataset, global_batch, seed
+        self.workers = workers
         self.device, self.dtype, self.memory_format = device, dtype, memory_format
         self.items = SeededItems(dataset.train, seed)
-        # batch_size B = G / (W x K) makes the loader split G into this run's K micro-steps.
-        # The order is the dataset's own where it has one (spotring.Shards: the order that
-        # reads each rank's share of the shards), spotring's permutation otherwise.
-        self.loader = DataLoader(self.items, global_batch,
-                                 batch_size=global_batch // (world_size * accumulation),
-                                 seed=seed, rank=rank, world_size=world_size,
-                                 num_workers=workers, pin_memory=device.type == "cuda",
-                                 order=getattr(dataset.train, "start_epoch", None))
+        self.loader: DataLoader | None = None
+        self.reshard(rank, world_size, accumulation)
 
     @property
     def steps_per_epoch(self) -> int:
         return self.loader.steps_per_epoch
+
+    def reshard(self, rank: int, world_size: int, accumulation: int) -> None:
+        """`Batches.reshard`: a loader of ``rank``'s share, where it changed."""
+        if self.loader is not None and (
+                self.rank, self.world_size, self.loader.accumulation) == (
+                rank, world_size, accumulation):
+            return
+        self.rank, self.world_size = rank, world_size
+        # batch_size B = G / (W x K) makes the loader split G into K micro-steps. The order
+        # is the dataset's own where it has one (spotring.Shards: the order that reads each
+        # rank's share of the shards), spotring's permutation otherwise.
+        self.loader = DataLoader(self.items, self.global_batch,
+                                 batch_size=self.global_batch // (world_size * accumulation),
+                                 seed=self.seed, rank=rank, world_size=world_size,
+                                 num_workers=self.workers, pin_memory=self.device.type == "cuda",
+                                 order=getattr(self.dataset.train, "start_epoch", None))
 
     def steps_left(self, offset: int) -> int:
         return steps_in_epoch(len(self.dataset.train), self.global_batch, offset)

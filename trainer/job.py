@@ -59,6 +59,7 @@ def run(cfg: DictConfig) -> int:
     with spotring.init(engine=OmegaConf.to_object(cfg.engine), device=str(cfg.train.device),
                        run_dir=_run_dir(), checkpoint=checkpoints,
                        preemption=OmegaConf.to_object(cfg.preemption),
+                       elastic=OmegaConf.to_object(cfg.elastic),
                        threads=cfg.train.threads, seed=cfg.train.seed) as job:
         results = Trainer(cfg, job, dataset, model).fit(resume)
         summary = job.finish(**results, model=_model_option(cfg),
@@ -83,17 +84,16 @@ def _prepare(cfg: DictConfig, launch: runtime.Launch
     # What ran, for the log, summary.json and the checkpoints: a _target_ by its name.
     cfg.dataset.name = dataset.name
     cfg.model.name = cfg.model._target_ or cfg.model.name
-    if cfg.train.global_batch is not None:
-        # The setting that keeps a run the same on any number of workers: this world
-        # size's share of it, in micro-batches of at most train.batch_size.
-        cfg.train.batch_size, cfg.train.accumulation = split_global_batch(
-            cfg.train.global_batch, launch.world_size, cfg.train.batch_size)
     batch = global_batch(cfg, launch.world_size)
+    # Split over the workers by the trainer's position (trainer/loop.py), in micro-batches
+    # of at most train.batch_size: checked here, before any process group.
+    split_global_batch(batch, launch.world_size, cfg.train.batch_size)
     if batch > len(dataset.train):
-        raise ConfigError(
-            f"global batch {batch} (train.batch_size={cfg.train.batch_size} x "
-            f"{launch.world_size} workers x train.accumulation={cfg.train.accumulation}) "
-            f"is larger than the {len(dataset.train)} training samples of {dataset.name}")
+        made = ("train.global_batch" if cfg.train.global_batch is not None else
+                f"train.batch_size={cfg.train.batch_size} x {launch.world_size} workers x "
+                f"train.accumulation={cfg.train.accumulation}")
+        raise ConfigError(f"global batch {batch} ({made}) is larger than the "
+                          f"{len(dataset.train)} training samples of {dataset.name}")
     return dataset, model
 
 
@@ -148,8 +148,8 @@ def _report(cfg: DictConfig, summary: dict[str, Any]) -> None:
         f"  time        {summary['train_seconds']:.1f} s training, {compiling}"
         f"{summary['images_per_second']:.0f} img/s "
         f"({summary['images_per_second_per_worker']:.0f} per worker)\n"
-        f"  workers     {summary['world_size']} x batch {cfg.train.batch_size} x "
-        f"{cfg.train.accumulation} accumulation = {summary['global_batch']}, "
+        f"  workers     {summary['world_size']} x batch {summary['batch_size']} x "
+        f"{summary['accumulation']} accumulation = {summary['global_batch']}, "
         f"engine {summary['engine']} ({summary['backend']}), {summary['precision']}, "
         f"final LR {summary['final_lr']:.4g}\n"
         f"  logs        {log_file if log_file.exists() else run_dir}, {summary['metrics']}\n"

@@ -29,6 +29,7 @@ import math
 import resource
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +38,10 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from spotring.exits import Diverged
+from spotring.global_batch import split_global_batch
 from spotring.job import Job
 from spotring.position import refuse_another_global_batch
+from spotring.sampler import steps_in_epoch
 from spotring.telemetry import Telemetry, epoch_number
 from spotring.torch_compat import compiled_graphs
 from spotring.trainer.config import DType, global_batch
@@ -59,13 +62,33 @@ class Position:
     """Where a run is (a spotring.position.Position, as a spotring.DataLoader is for a
     user's script); every checkpoint holds it (job.track) and a resume starts from it, on
     any number of workers, refusing a checkpoint of another global batch as the library
-    does (train.global_batch keeps it)."""
+    does (train.global_batch keeps it).
+
+    It also holds this worker's split of the global batch: ``micro`` samples in each of
+    ``accumulation`` micro-steps, the fewest that keep to ``batch_size`` (train.batch_size).
+    A job in place splits it anew as its workers change (``reshard``: a
+    spotring.position.Resharded), and ``moved`` tells the loop to draw its batches anew
+    from the position: split anew, or set again (restored, or a step dropped)."""
 
     global_batch: int
     steps_per_epoch: int
+    batch_size: int  # the most samples per micro-step
+    rank: int
+    world_size: int
     step: int = 0  # optimizer steps taken
     epoch: int = 0  # the epoch in progress (0-based)
     offset: int = 0  # samples of this epoch's order already consumed
+    moved: bool = False
+    before_step: Callable[[], None] | None = None  # the job's, in place
+
+    def __post_init__(self) -> None:
+        self.reshard(self.rank, self.world_size)
+        self.moved = False
+
+    def reshard(self, rank: int, world_size: int) -> None:
+        self.micro, self.accumulation = split_global_batch(self.global_batch, world_size,
+                                                           self.batch_size)
+        self.rank, self.world_size, self.moved = rank, world_size, True
 
     def state_dict(self) -> dict[str, int]:
         return {"step": self.step, "epoch": self.epoch, "offset": self.offset,
@@ -75,6 +98,7 @@ class Position:
         refuse_another_global_batch(state["global_batch"], self.global_batch,
                                     "train.global_batch")
         self.step, self.epoch, self.offset = state["step"], state["epoch"], state["offset"]
+        self.moved = True
 
 
 def annotations(cfg: DictConfig) -> dict[str, Any]:
@@ -153,10 +177,14 @@ class Trainer:
     def __init__(self, cfg: DictConfig, job: Job, dataset: Dataset | MapDataset,
                  model: torch.nn.Module) -> None:
         self.cfg, self.job, self.engine = cfg, job, job.engine
-        self.world_size = job.world_size
         self.global_batch = global_batch(cfg, job.world_size)
-        common = dict(global_batch=self.global_batch, rank=job.rank, world_size=job.world_size,
-                      accumulation=cfg.train.accumulation, seed=cfg.train.seed,
+        # This worker's split of it (micro-batches x accumulation), made anew by a job in
+        # place as its workers change.
+        self.position = pos = Position(
+            self.global_batch, steps_in_epoch(len(dataset.train), self.global_batch, 0),
+            cfg.train.batch_size, job.rank, job.world_size)
+        common = dict(global_batch=self.global_batch, rank=pos.rank, world_size=pos.world_size,
+                      accumulation=pos.accumulation, seed=cfg.train.seed,
                       device=job.device, dtype=DTYPES[cfg.train.dtype],
                       memory_format=torch.channels_last if cfg.train.channels_last
                       else torch.contiguous_format)
@@ -174,8 +202,7 @@ class Trainer:
         # The plain module: checkpoints hold its state, so that compiled and plain runs
         # resume each other; evaluation runs it.
         self.raw_model = model
-        self.position = Position(self.global_batch, self.batches.steps_per_epoch)
-        job.track(model=model, optimizer=optimizer, position=self.position)
+        job.track(model=model, optimizer=optimizer, position=pos)
         job.count_reads(dataset.train, dataset.test)  # where they count theirs: Shards
         job.annotate(**annotations(cfg))
         # NHWC weights unless the engine's collectives need them contiguous (the image
@@ -189,7 +216,7 @@ class Trainer:
         self.model, self.optimizer = job.wrap(
             model, optimizer, precision=str(cfg.train.precision),
             channels_last=cfg.train.channels_last, compile=cfg.train.compile,
-            accumulation=cfg.train.accumulation)
+            accumulation=pos.accumulation)
         self._compiling = bool(cfg.train.compile)  # until a step compiles nothing
         self.compile_seconds, self.compile_steps = 0.0, 0
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
@@ -221,21 +248,26 @@ class Trainer:
         log.info("training %s on %s: %d workers x batch %d x %d accumulation = global batch "
                  "%d, %d steps per epoch, LR %.4g -> %.4g (x%.3g, linear scaling rule); "
                  "precision %s, channels_last %s, compile %s",
-                 cfg.model.name, cfg.dataset.name, self.world_size, cfg.train.batch_size,
-                 cfg.train.accumulation, self.global_batch, self.batches.steps_per_epoch,
+                 cfg.model.name, cfg.dataset.name, pos.world_size, pos.micro,
+                 pos.accumulation, self.global_batch, self.batches.steps_per_epoch,
                  self.schedule.base_lr, self.schedule.peak_lr,
                  self.global_batch / cfg.optim.reference_batch, job.precision,
                  str(cfg.train.channels_last).lower(), str(cfg.train.compile).lower())
         while pos.epoch < cfg.train.epochs and pos.step < self.total_steps:
             epoch_start = (self._timed_steps(), self.stopwatch.total)
-            for batch in self.batches.train(pos.epoch, pos.offset):
+            for batch in self._steps():
                 self.stopwatch.start()
                 lr = self.schedule.apply(self.optimizer, pos.step)
-                if self._compiling:
-                    self._compiling_step(batch)
-                else:
-                    self._train_step(batch)
-                pos.step, pos.offset = pos.step + 1, batch.offset
+                take = self._compiling_step if self._compiling else self._train_step
+                sums = take(batch)
+                stepped = pos.step = pos.step + 1
+                pos.offset = batch.offset
+                if job.should_stop():
+                    self.stopwatch.pause()
+                    job.save_and_exit()
+                if pos.step != stepped:  # a job in place dropped it (a worker lost): again
+                    continue
+                self._sums += sums
                 self.telemetry.step(pos.step, lr)
                 if _every(pos.step, cfg.telemetry.log_every):
                     last_log = self._log_interval(last_log, lr)
@@ -243,9 +275,6 @@ class Trainer:
                     test, evaluated_at = self.evaluate(), pos.step
                 if _every(pos.step, cfg.checkpoint.every_steps):
                     self._checkpoint()
-                if job.should_stop():
-                    self.stopwatch.pause()
-                    job.save_and_exit()
                 if pos.step >= self.total_steps:
                     break
             self.stopwatch.pause()
@@ -270,11 +299,12 @@ class Trainer:
             "test_loss": test["loss"],
             "train_seconds": seconds,
             "images_per_second": images_per_second,
-            "images_per_second_per_worker": images_per_second / self.world_size,
-            "world_size": self.world_size,
+            # The workers at the end (a job in place changes them).
+            "images_per_second_per_worker": images_per_second / pos.world_size,
+            "world_size": pos.world_size,
             "global_batch": self.global_batch,
-            "batch_size": cfg.train.batch_size,
-            "accumulation": cfg.train.accumulation,
+            "batch_size": pos.micro,
+            "accumulation": pos.accumulation,
             "steps": pos.step,
             "steps_this_run": steps,
             "epochs": pos.step / self.batches.steps_per_epoch,
@@ -293,12 +323,38 @@ class Trainer:
             **_memory(self.raw_model, self.engine.device),
         }
 
+    def _steps(self) -> Iterator[Batch]:
+        """This rank's steps of the epoch in progress, from the position on: drawn anew
+        where the position moved (a job in place split the batches anew, or dropped a
+        step), each only once a job in place took in the processes that join it
+        (``before_step``, which may split them anew)."""
+        pos, epoch, steps = self.position, self.position.epoch, None
+        while True:
+            if pos.epoch == epoch - 1 and self.batches.steps_left(pos.offset) == 0:
+                # The first step of the epoch dropped: the end of the one before is this
+                # one's start (its end's evaluation and checkpoint are done).
+                pos.epoch, pos.offset = epoch, 0
+            if pos.epoch != epoch or self.batches.steps_left(pos.offset) == 0:
+                return
+            if pos.before_step is not None:
+                pos.before_step()
+            if steps is None or pos.moved:
+                self._split()
+                steps, pos.moved = self.batches.train(pos.epoch, pos.offset), False
+            yield next(steps)
+
+    def _split(self) -> None:
+        """The batches split as the position says: this rank's share, in micro-batches."""
+        pos = self.position
+        self.batches.reshard(pos.rank, pos.world_size, pos.accumulation)
+
     def _timed_steps(self) -> int:
         """Steps whose time the stopwatch holds: all but those that compiled."""
         return self.position.step - self.compile_steps
 
-    def _compiling_step(self, batch: Batch) -> None:
-        """A training step while torch.compile may still compile, timed on its own.
+    def _compiling_step(self, batch: Batch) -> torch.Tensor:
+        """A training step while torch.compile may still compile, timed on its own
+        (``_train_step``'s, returning its sums).
 
         compile_seconds is the whole wall time (the GPU waited for) of each step of this
         run, from the first on, in which torch.compile compiled a graph: tracing and
@@ -311,7 +367,7 @@ class Trainer:
         self.stopwatch.pause()
         graphs = compiled_graphs()
         started = time.perf_counter()
-        self._train_step(batch)
+        sums = self._train_step(batch)
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize(self.engine.device)
         seconds = time.perf_counter() - started
@@ -322,23 +378,27 @@ class Trainer:
             self.stopwatch.add(seconds)
             self._compiling = False
         self.stopwatch.start()
+        return sums
 
-    def _train_step(self, batch: Batch) -> None:
+    def _train_step(self, batch: Batch) -> torch.Tensor:
         """One optimizer step over the batch's micro-batches, as a script on the API
         takes it: the job's micro-steps (the allreduce on the last one only, autocast),
-        its backward (divided by the accumulation, scaled for fp16) and its step."""
+        its backward (divided by the accumulation, scaled for fp16) and its step. Returns
+        this rank's sums of its loss x n, correct and n, for the metrics."""
+        sums = torch.zeros(3, device=self.engine.device, dtype=torch.float64)
         for x, y in batch.micro:
             with self.job.micro_step():  # the loss comes out float32 under autocast too
                 logits = self.model(x)
                 loss = self.criterion(logits, y)
                 with torch.no_grad():
-                    self._sums += torch.stack([loss * len(y), (logits.argmax(1) == y).sum(),
-                                               torch.tensor(len(y), device=y.device)])
+                    sums += torch.stack([loss * len(y), (logits.argmax(1) == y).sum(),
+                                         torch.tensor(len(y), device=y.device)])
                 if self.cfg.model.l1:
                     loss = loss + self.cfg.model.l1 * l1_penalty(self.raw_model)
                 self.job.backward(loss)
         stepped = self.job.step(self.optimizer)  # zero_grad too: grads to None
-        assert stepped, "a global batch of other than train.accumulation micro-batches"
+        assert stepped, "a global batch of other than the position's accumulation micro-batches"
+        return sums
 
     def _log_interval(self, last: tuple[int, float], lr: float) -> tuple[int, float]:
         """Loss and accuracy over all ranks since the last log line (one small allreduce)."""
@@ -358,6 +418,7 @@ class Trainer:
         counted once across ranks."""
         self.stopwatch.pause()
         self.raw_model.eval()
+        self._split()  # the workers of a job in place may have changed since a step
         sums = torch.zeros(3, device=self.engine.device, dtype=torch.float64)
         for x, y in self.batches.test(self.cfg.train.eval_batch_size,
                                       self.cfg.train.eval_samples):

@@ -1,8 +1,8 @@
 """Validation of the trainer's config: what its schema's types cannot say (trainer/config.py).
 
 ``validate`` checks ranges, combinations and torchvision's model names, and applies
-spotring's own rules to the options that are spotring's (engine, checkpoint, preemption:
-their classes' ``problems``). It runs on every rank before any process group exists
+spotring's own rules to the options that are spotring's (engine, checkpoint, preemption,
+elastic: their classes' ``problems``). It runs on every rank before any process group exists
 (and in a launcher's check, before any node starts), so a bad value ends the job with one
 clear paragraph listing every problem instead of a hang or a traceback on N machines.
 """
@@ -118,6 +118,7 @@ def validate(cfg: DictConfig) -> None:
         "engine.", compile=bool(cfg.train.compile), precision=str(cfg.train.precision))
     problems += OmegaConf.to_object(cfg.checkpoint).problems("checkpoint.")
     problems += OmegaConf.to_object(cfg.preemption).problems("preemption.")
+    problems += elastic_problems(cfg)
     need(cfg.resume in ("auto", "never") or str(cfg.resume).endswith((".json", ".pt"))
          or Path(str(cfg.resume)).is_dir(),
          f"resume={cfg.resume}: must be auto, never, or the path of a checkpoint: its "
@@ -130,6 +131,22 @@ def validate(cfg: DictConfig) -> None:
             + "\nSee the groups under conf/ or print the composed config with "
             "`spotring train --cfg job`."
         )
+
+
+def elastic_problems(cfg: DictConfig) -> list[str]:
+    """spotring's rules for the elastic options, and the trainer's: in place (set here or
+    by the launcher's $SPOTRING_IN_PLACE) needs train.global_batch, which a process that
+    joins (a world of one until it is taken in) then makes the same as the others'."""
+    elastic = OmegaConf.to_object(cfg.elastic)
+    problems = elastic.problems("elastic.")
+    in_place = str(elastic.resolved().in_place)
+    if in_place != "off" and cfg.train.global_batch is None:
+        problems.append(
+            f"elastic.in_place={in_place} with train.global_batch unset: the global batch "
+            "would be train.batch_size x workers x train.accumulation, which a worker that "
+            "joins (alone until it is taken in) would make another than the others'; set "
+            "train.global_batch (`spotring launch` and `spotring sbatch` write it out)")
+    return problems
 
 
 def image_folder_problems(dataset: DictConfig) -> list[str]:

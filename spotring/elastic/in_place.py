@@ -87,7 +87,7 @@ class InPlace:
         self.engine: Any = None  # the job's, once made (the heartbeat gives it up)
         self._switch = threading.Lock()  # held to change generation (and its failure)
         self._beating = threading.Event()  # set: the heartbeat stops
-        self.changes: list[dict[str, Any]] = []  # each change of members, for the summary
+        self.changes: list[dict[str, Any]] = []  # the job's changes of members, for the summary
         self._joining = 0  # processes the last vote let in: at the next step's start
         self._rejoining: int | None = None  # counted out of this generation: joins again
 
@@ -331,22 +331,26 @@ class InPlace:
         """Form ``generation``'s group, and every rank takes the state of the one that
         has taken the most steps where they differ (a rank whose update of a failed step
         went through is ahead), or where one is new (its state is its own)."""
-        before = len(self.generation.members)
         with self._switch:
-            self.generation = generation
+            before, self.generation = len(self.generation.members), generation
             job.engine.failure = None  # the last generation's
         job._regroup(self._group(generation))
         # Decided from what every rank says, so that all take part in the sending or none.
-        said = job.engine.all_gather_object((self.applied, why in ("join", "joined")))
-        steps = [applied for applied, _ in said]
+        said = job.engine.all_gather_object(
+            (self.applied, why in ("join", "joined"), before, self.changes))
+        steps = [applied for applied, *_ in said]
         source = steps.index(max(steps))
-        if min(steps) != max(steps) or any(new for _, new in said):
+        if min(steps) != max(steps) or any(new for _, new, *_ in said):
             _send_state(job, source)
             self.applied = steps[source]
         self.commit(job)
+        # The job's history and workers as rank 0 saw them (a member before the change,
+        # as the members come first), so that a process that joined has them too.
+        before, self.changes = said[0][2], list(said[0][3])
         seconds = time.monotonic() - started
-        self.changes.append({"step": job.step_count, "why": why, "workers": [
-            before, len(generation.members)], "seconds": round(seconds, 3)})
+        self.changes.append({"step": job.step_count, "why": "join" if why == "joined" else why,
+                             "workers": [before, len(generation.members)],
+                             "seconds": round(seconds, 3)})
         log.warning("in place: %d -> %d workers at step %d (%s) in %.2f s", before,
                     len(generation.members), job.step_count, why, seconds)
 

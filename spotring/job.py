@@ -477,6 +477,7 @@ class Job:
                 self._hook(obj)
             if isinstance(obj, DataLoader):
                 self.count_reads(obj.dataset)
+        self._kept_in_place()
 
     def _hook(self, position: Resharded) -> None:
         """In place: processes join at the start of a step, before its first micro-batch
@@ -576,6 +577,7 @@ class Job:
             step = self._checkpointer.restore(source, self.scaler)
         if step is not None:
             self._steps = self._start_step = step
+        self._kept_in_place()
         return step
 
     # ---------------------------------------------------------------------------- stop
@@ -691,6 +693,12 @@ class Job:
                 obj.clear()
                 obj.update(state)
 
+    def _kept_in_place(self) -> None:
+        """In place: the small states as they stand before the first step, where a step
+        dropped before any step boundary goes back to."""
+        if self._in_place is not None:
+            self._in_place.commit(self)
+
     def _regroup(self, group: Group) -> None:
         """Form ``group``'s process group in place of this one: the engine and DDP's
         reducer move to it, the loaders (every tracked position.Resharded) split the same
@@ -705,9 +713,8 @@ class Job:
             resharded.reshard(self.rank, self.world_size)
         if isinstance(counting := self._position or self._loader, Resharded):
             self._accumulation = counting.accumulation
-        if self._telemetry is not None and self._telemetry.enabled != self.is_main:
-            self._telemetry.close()
-            self._telemetry = None  # made again, by rank 0 alone
+        if self._telemetry is not None:  # rank 0's records, by this process or no more
+            self._telemetry.switch(self.is_main, self.step_count)
         if log.handlers and not logging.getLogger().handlers:  # init's own lines
             log.setLevel(logging.INFO if self.is_main else logging.WARNING)
 

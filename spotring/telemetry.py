@@ -86,17 +86,27 @@ class Progress:
 class Telemetry:
     def __init__(self, run_dir: Path, enabled: bool, progress: bool, total_steps: int,
                  done_steps: int) -> None:
-        self.enabled = enabled
+        self.tensorboard_dir = run_dir / "tensorboard"
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self._progress, self._total_steps = progress, total_steps
+        self.enabled = False
+        self.switch(enabled, done_steps)
+
+    def switch(self, enabled: bool, done_steps: int) -> None:
+        """Record from now on, or no longer (``close``): a job in place makes another
+        process rank 0 where rank 0's is lost, which goes on with the same files,
+        ``done_steps`` into the run."""
         if not enabled:
+            self.close()
+        if not enabled or self.enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
 
-        self.tensorboard_dir = run_dir / "tensorboard"
-        self.metrics_path = run_dir / "metrics.jsonl"
         self.writer = SummaryWriter(str(self.tensorboard_dir))
         self.metrics = self.metrics_path.open("a", buffering=1)  # a line at a time
-        self.progress = Progress(total_steps, done_steps) if progress else None
+        self.progress = Progress(self._total_steps, done_steps) if self._progress else None
         self._lrs: list[tuple[int, float]] = []
+        self.enabled = True
 
     def step(self, step: int, lr: float) -> None:
         """Every step: its LR, and the progress bar. The LRs go to TensorBoard's writer

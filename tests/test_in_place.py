@@ -216,13 +216,15 @@ def test_streamed_shards_keep_every_global_batchs_keys_through_a_loss_and_a_join
 
 
 @pytest.mark.slow
-def test_the_trainer_in_place_through_a_notice_a_join_rank_0_lost_and_a_join_ends_exact(
+def test_the_trainer_in_place_through_rank_0_lost_a_join_a_notice_and_a_join_ends_exact(
         tmp_path, rendezvous):
-    """`spotring train` on 2 workers in place (as `spotring launch job.launcher=in_place`
-    starts it): one leaves on a notice, a new process joins, rank 0's is killed, another
-    joins. The trainer splits its global batch anew at each change (2, 1, 2, 1, 2 workers)
-    and takes the dropped step again; it ends with the uninterrupted run's weights, and
-    its summary lists the changes. The training reads are held while a joiner starts
+    """`spotring train` on 2 workers in place, as `spotring launch job.launcher=in_place`
+    starts it (SPOTRING_IN_PLACE, SPOTRING_RUN_DIR): rank 0's process is killed in the
+    first step, a new one joins, it leaves on a notice, another joins. The trainer splits
+    its global batch anew at each change (2, 1, 2, 1, 2 workers) and takes the dropped
+    step again; it ends with the uninterrupted run's weights, and the process that became
+    rank 0 (a launcher's rank 1) writes the metrics from then on and the summary, with
+    every change, in the run directory. The training reads are held while a joiner starts
     (harness/held_data.py), so that the job waits for it rather than racing it."""
     hold = tmp_path / "hold"
     args = [*QUICK, "model._target_=harness.held_data.net", "+model.width=8",
@@ -232,33 +234,38 @@ def test_the_trainer_in_place_through_a_notice_a_join_rank_0_lost_and_a_join_end
             "train.threads=1", "train.channels_last=false", "train.precision=fp32"]
     reference = run_trainer(tmp_path / "reference", *args, launcher="spawned")
     run_dir = tmp_path / "run"
-    with Ranks(run_dir, 2, ranks.trainer, env={"SPOTRING_IN_PLACE": "on"},
-               argv=[f"hydra.run.dir={run_dir}", *args]) as job:
-        def seen(text: str, index: int | None = None) -> None:
-            assert job.until(lambda: text in job.output(index), text, while_any=True), \
-                job.output()[-5000:]
+    hold.touch()  # the first step waits: rank 0's process is lost in it
+    with Ranks(run_dir, 2, ranks.trainer, env={"SPOTRING_IN_PLACE": "on"}, argv=args) as job:
+        def seen(text: str, index: int, times: int = 1) -> None:
+            assert job.until(lambda: job.output(index).count(text) >= times, text,
+                             while_any=True), job.output()[-5000:]
 
-        def joins() -> None:  # one more process, taken in once it asked to join
+        def joins() -> int:  # one more process, taken in once it asked to join
             hold.touch()
-            seen("asked to join", job.start_another())
+            seen("asked to join", index := job.start_another())
             hold.unlink()
+            seen("1 -> 2 workers", 1, times=index - 1)
+            return index
 
-        assert job.until(lambda: '"kind": "train"' in _read(run_dir / "metrics.jsonl"),
-                         "the first train record (step 10)"), job.output()[-5000:]
-        job.signal(1, signal.SIGTERM)
-        seen("2 -> 1 workers")
-        joins()
-        seen("1 -> 2 workers")
-        job.signal(0, signal.SIGKILL)  # rank 0's process
-        seen("2 -> 1 workers", 2)
+        seen("training harness.held_data.net", 0)  # both through init and wrap
+        job.signal(0, signal.SIGKILL)  # rank 0's process: the launcher's rank 1 is now
+        hold.unlink()
+        seen("2 -> 1 workers", 1)
+        job.signal(joins(), signal.SIGTERM)
+        seen("2 -> 1 workers", 1, times=2)
         joins()
         codes = job.wait()
-    assert codes == [-9, EXIT_PREEMPTED, 0, 0], (codes, job.output()[-5000:])
+    assert codes == [-9, 0, EXIT_PREEMPTED, 0], (codes, job.output()[-5000:])
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [(c["why"], c["workers"]) for c in summary["in_place"]] == [
-        ("leave", [2, 1]), ("join", [1, 2]), ("lost", [2, 1]), ("join", [1, 2])], summary
+        ("lost", [2, 1]), ("join", [1, 2]), ("leave", [2, 1]), ("join", [1, 2])], summary
+    assert summary["in_place"][0]["step"] == 0, summary  # the first step, dropped and taken again
     assert (summary["steps"], summary["world_size"], summary["accumulation"]) == (200, 2, 1)
     assert_close(Run(run_dir, None).params(), reference.params(), 1e-10)
+    records = [json.loads(line) for line in _read(run_dir / "metrics.jsonl").splitlines()]
+    trained = [r["step"] for r in records if r["kind"] == "train"]
+    assert trained == sorted(set(trained)) and trained[-1] == 200, trained  # each once
+    assert [r["step"] for r in records if r["kind"] == "test"] == [100, 200], records
 
 
 def _read(path: Path) -> str:

@@ -36,7 +36,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 
-from spotring import runtime
+from spotring import contract, runtime
 from spotring.exits import EXIT_CONFIG, ConfigError
 from spotring.global_batch import split_global_batch
 from spotring.trainer import config, job, validation
@@ -118,14 +118,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     rank = runtime.env_rank()
     if rank > 0:
-        # Only rank 0 keeps a run directory and a log file; the others must not write
-        # Hydra's files (or leave empty directories stamped with their own start times)
-        # and only speak up, on stderr, when something is wrong.
+        # Only rank 0 keeps a log file; the others must not write Hydra's files (or leave
+        # empty directories stamped with their own start times) and only speak up, on
+        # stderr, when something is wrong. They keep the run directory a launcher gives
+        # ($SPOTRING_RUN_DIR): where a job in place loses rank 0's process, one of them
+        # becomes rank 0, and writes the metrics and the summary there.
         logging.basicConfig(level=logging.WARNING,
                             format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none",
                      "hydra/hydra_logging=none"]
-        if not any(arg.startswith("hydra.run.dir=") for arg in sys.argv):
+        if not (contract.run_dir() or any(a.startswith("hydra.run.dir=") for a in sys.argv)):
             sys.argv.append("hydra.run.dir=.")
     config.register()
     _hydra_main()

@@ -93,7 +93,7 @@ def residual(engine: str = "ddp", steps: int = 16, save_every: int = 4, width: i
 
 
 def in_place(steps: int = 16, min_workers: int = 1, sleep: float = 0.05,
-             timeout_s: float = 30, hold_at: int | None = None) -> None:
+             timeout_s: float = 30, hold_at: int | None = None, shard_size: int = 0) -> None:
     """``residual``'s training in a job in place (spotring/elastic/, the rendezvous from
     $SPOTRING_RENDEZVOUS): the ranks vote at every step, a SIGTERM makes its rank leave
     and the others go on, a lost rank's step is taken again; a checkpoint every other
@@ -103,9 +103,11 @@ def in_place(steps: int = 16, min_workers: int = 1, sleep: float = 0.05,
     again (its collectives failed: its loss is this rank's own, and the step counts once
     more). Every rank: a rank 0 that is lost takes its last line with it. ``hold_at``:
     rank 0 waits after that step's update, before the loss is averaged (the others wait
-    in that collective), until the test releases it."""
-    with spotring.init(seed=0, in_place="auto", min_workers=min_workers, check_every_steps=1,
-                       notices="none", timeout_s=timeout_s) as job:
+    in that collective), until the test releases it. ``shard_size``: HSDP, FSDP within
+    groups of that many ranks (0: DDP)."""
+    engine = spotring.FSDPOptions(shard_size=shard_size) if shard_size else "ddp"
+    with spotring.init(engine=engine, seed=0, in_place="auto", min_workers=min_workers,
+                       check_every_steps=1, notices="none", timeout_s=timeout_s) as job:
         model, optimizer, loader = _started(job, 128)
         for _ in loader.epochs(-(-steps // loader.steps_per_epoch)):
             for xb, yb in loader if job.step_count < steps else ():

@@ -206,7 +206,7 @@ def _in_place_here(elastic: ElasticOptions, engine: EngineOptions,
         raise ConfigError(
             f"elastic.min_workers={elastic.min_workers} with {launch.world_size} workers: "
             f"the job would stop at its first loss; valid here: 1 to {launch.world_size}")
-    if why := engines.in_place_problem(engine):
+    if why := engines.in_place_problem(engine, launch.world_size):
         if elastic.in_place == "on":
             raise ConfigError(f"elastic.in_place=on: {why}; or elastic.in_place=auto "
                               "(today's path for this engine)")
@@ -348,7 +348,8 @@ class Job:
 
         model: the network. Under fsdp it is sharded in place: its parameters become
             DTensors (``p.full_tensor()`` is the whole of one), and it is still itself
-            (``unwrap`` returns it).
+            (``unwrap`` returns it; in a job in place, a module around it, as each change
+            of workers shards it anew).
         optimizer: built over the model's parameters, without state yet (under fsdp it is
             pointed at the sharded parameters in place, so a scheduler built on it stays
             valid); or a function that builds it from the parameters it is to step, for

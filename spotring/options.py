@@ -148,6 +148,11 @@ class EngineOptions(Options):
         precision (auto, fp32, bf16, fp16), either of which some engines cannot go with."""
         return super().problems(prefix) + positive(prefix, timeout_s=self.timeout_s)
 
+    def in_place_problem(self, world_size: int) -> str | None:
+        """Why an engine that runs in place cannot with these options on ``world_size``
+        workers, or None."""
+        return None
+
 
 @dataclass
 class CheckpointOptions(Options):

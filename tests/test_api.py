@@ -277,6 +277,20 @@ def refused(capsys, **options) -> str:
     return capsys.readouterr().err
 
 
+def test_in_place_fsdp_without_replicas_exits_2_naming_hsdp(tmp_path, monkeypatch, capsys):
+    """Rank 0 of 2 (torchrun's variables): refused before any process group exists."""
+    monkeypatch.chdir(tmp_path)
+    for key, value in {"SPOTRING_RENDEZVOUS": "127.0.0.1:1", "RANK": "0", "WORLD_SIZE": "2",
+                       "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    says = refused(capsys, engine=spotring.FSDPOptions(shard_size=2), in_place="on")
+    assert ("elastic.in_place=on: engine=fsdp engine.shard_size=2 with 2 workers: a lost "
+            "worker's shards would go with it; in place, FSDP needs replicas of them (HSDP: "
+            "engine.shard_size=n with at least 2 groups of n workers)") in says, says
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_engine_options_come_as_an_object_or_as_keywords_over_it(tmp_path):
     j = job(tmp_path, engine=spotring.DDPOptions(bucket_mb=50, sync_bn=True), timeout_s=20)
     assert j.options == spotring.DDPOptions(bucket_mb=50, sync_bn=True, timeout_s=20)
@@ -309,9 +323,9 @@ def test_engine_options_come_as_an_object_or_as_keywords_over_it(tmp_path):
     ({"in_place": "auto", "min_workers": 2},
      "elastic.min_workers=2 with 1 workers: the job would stop at its first loss; valid "
      "here: 1 to 1"),
-    ({"in_place": "on", "engine": "fsdp"},
-     "elastic.in_place=on: engine=fsdp cannot form its process group anew as workers leave "
-     "and join"),
+    ({"in_place": "on", "engine": "horovod"},
+     "elastic.in_place=on: engine=horovod cannot form its process group anew as workers "
+     "leave and join"),
     ({"in_place": "sometimes"}, "elastic.in_place=sometimes: unknown; valid: off, auto, on"),
     ({"elastic": spotring.ElasticOptions(in_place="auto", rendezvous="nowhere")},
      "elastic.rendezvous=nowhere: expected host:port"),

@@ -27,7 +27,7 @@ import pytest
 import spotring
 from harness import ranks, shard_workload, workloads
 from harness.ranks import Ranks
-from spotring.exits import EXIT_CONFIG, EXIT_PREEMPTED
+from spotring.exits import EXIT_CONFIG, EXIT_PEER_LOST, EXIT_PREEMPTED
 from spotring.launch.commands import BIN
 from spotring.shards import write
 from tests.conftest import QUICK, Run, assert_close, run_trainer
@@ -126,6 +126,58 @@ def test_losses_notices_and_joins_change_the_workers_in_place_and_end_exact(
 
 
 @pytest.mark.slow
+@pytest.mark.ends  # FSDP's sharding anew and its all-reduce hook, at the oldest torch too
+def test_hsdp_groups_leave_are_lost_and_join_whole_in_place_and_end_exact(tmp_path, rendezvous):
+    """HSDP (engine.shard_size=2) on 4 workers in place, each group of 2 a whole copy of
+    the model's state: a notice on one worker takes its whole group out (4 -> 2), two new
+    processes join as a group (4), rank 0's group is killed (2), two join again (4), and
+    one worker of a group is killed: its partner leaves too (exit 69, whichever of its
+    collectives met the loss), and the whole group goes on (2). No surviving process
+    restarts, every step that stood has the uninterrupted run's loss, and the weights end
+    equal to 1e-10."""
+    steps = 24
+    reference = tmp_path / "reference"
+    expected = ranks.losses(ranks.run(reference, 1, workloads.residual, steps=steps))
+    run_dir = tmp_path / "run"
+    with Ranks(run_dir, 4, workloads.in_place, steps=steps, shard_size=2) as job:
+        def after(step: int, change: int) -> None:  # the change made, at least the step
+            assert job.until(lambda: changes(job) >= change and job.step() >= step,
+                             f"change {change} and step {step}", while_any=True), \
+                job.output()[-5000:]
+
+        def joined(workers: int) -> None:  # every member through the join
+            assert job.until(lambda: all(re.search(
+                rf"-> {workers} workers at step \d+ \(join(?:ed)?\)", job.output(i))
+                for i in job.running()), "every member through the join", while_any=True), \
+                job.output()[-5000:]
+
+        after(2, 0)
+        job.signal(3, signal.SIGTERM)  # a notice: its group, 2 and 3, leaves
+        after(4, 1)
+        job.start_another(), job.start_another()  # a group: 4 and 5
+        after(6, 2)
+        joined(4)
+        job.signal(0, signal.SIGKILL), job.signal(1, signal.SIGKILL)  # rank 0's group
+        after(8, 3)
+        job.start_another(), job.start_another()  # 6 and 7
+        after(10, 4)
+        joined(4)
+        job.signal(6, signal.SIGKILL)  # its partner, 7, leaves
+        codes = job.wait()
+        output = job.output()
+    assert codes == [-9, -9, EXIT_PREEMPTED, EXIT_PREEMPTED, 0, 0, -9, EXIT_PEER_LOST], (
+        codes, output[-6000:])
+    losses = ranks.losses(output)
+    assert steps in losses and len(losses) >= steps - 3, output[-6000:]
+    for step, loss in losses.items():
+        assert abs(loss - expected[step]) <= 1e-10 * max(1.0, abs(expected[step])), step
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [c["workers"] for c in summary["in_place"]] == [
+        [4, 2], [2, 4], [4, 2], [2, 4], [4, 2]], summary["in_place"]
+    assert_close(workloads.weights(run_dir), workloads.weights(reference), 1e-10)
+
+
+@pytest.mark.slow
 def test_a_worker_counted_out_by_the_roll_call_joins_again_and_the_job_ends_exact(
         tmp_path, rendezvous, reference):
     """One of 3 workers is killed while another is stopped (a host too busy to answer):
@@ -216,8 +268,10 @@ def test_streamed_shards_keep_every_global_batchs_keys_through_a_loss_and_a_join
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("engine", [["engine=ddp"], ["engine=fsdp", "engine.shard_size=1"]],
+                         ids=["ddp", "hsdp"])
 def test_the_trainer_in_place_through_rank_0_lost_a_join_a_notice_and_a_join_ends_exact(
-        tmp_path, rendezvous):
+        tmp_path, rendezvous, engine):
     """`spotring train` on 2 workers in place, as `spotring launch job.launcher=in_place`
     starts it (SPOTRING_IN_PLACE, SPOTRING_RUN_DIR): rank 0's process is killed in the
     first step, a new one joins, it leaves on a notice, another joins. The trainer splits
@@ -225,7 +279,8 @@ def test_the_trainer_in_place_through_rank_0_lost_a_join_a_notice_and_a_join_end
     step again; it ends with the uninterrupted run's weights, and the process that became
     rank 0 (a launcher's rank 1) writes the metrics from then on and the summary, with
     every change, in the run directory. The training reads are held while a joiner starts
-    (harness/held_data.py), so that the job waits for it rather than racing it."""
+    (harness/held_data.py), so that the job waits for it rather than racing it. Under DDP,
+    and under HSDP in groups of one (one worker alone takes 2 micro-steps a step)."""
     hold = tmp_path / "hold"
     args = [*QUICK, "model._target_=harness.held_data.net", "+model.width=8",
             "dataset._target_=harness.held_data.data", "+dataset.train_size=3200",
@@ -235,7 +290,8 @@ def test_the_trainer_in_place_through_rank_0_lost_a_join_a_notice_and_a_join_end
     reference = run_trainer(tmp_path / "reference", *args, launcher="spawned")
     run_dir = tmp_path / "run"
     hold.touch()  # the first step waits: rank 0's process is lost in it
-    with Ranks(run_dir, 2, ranks.trainer, env={"SPOTRING_IN_PLACE": "on"}, argv=args) as job:
+    with Ranks(run_dir, 2, ranks.trainer, env={"SPOTRING_IN_PLACE": "on"},
+               argv=[*args, *engine]) as job:
         def seen(text: str, index: int, times: int = 1) -> None:
             assert job.until(lambda: job.output(index).count(text) >= times, text,
                              while_any=True), job.output()[-5000:]

@@ -199,12 +199,6 @@ class Trainer:
 
         model = model.to(job.device, DTYPES[cfg.train.dtype])
         optimizer = build_optimizer(cfg.optim, model.parameters())
-        # The plain module: checkpoints hold its state, so that compiled and plain runs
-        # resume each other; evaluation runs it.
-        self.raw_model = model
-        job.track(model=model, optimizer=optimizer, position=pos)
-        job.count_reads(dataset.train, dataset.test)  # where they count theirs: Shards
-        job.annotate(**annotations(cfg))
         # NHWC weights unless the engine's collectives need them contiguous (the image
         # batches come NHWC from self.batches). With train.compile, the model is compiled
         # before DDP wraps it: the compiled module then runs inside DDP's forward, where
@@ -217,6 +211,11 @@ class Trainer:
             model, optimizer, precision=str(cfg.train.precision),
             channels_last=cfg.train.channels_last, compile=cfg.train.compile,
             accumulation=pos.accumulation)
+        # Checkpoints hold the plain module's state (the job unwraps it), so that compiled
+        # and plain runs resume each other.
+        job.track(model=self.model, optimizer=optimizer, position=pos)
+        job.count_reads(dataset.train, dataset.test)  # where they count theirs: Shards
+        job.annotate(**annotations(cfg))
         self._compiling = bool(cfg.train.compile)  # until a step compiles nothing
         self.compile_seconds, self.compile_steps = 0.0, 0
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
@@ -224,6 +223,12 @@ class Trainer:
         self.resumed_from: str | None = None
         # Running sums since the last log line, on the device: loss x n, correct, n.
         self._sums = torch.zeros(3, device=job.device, dtype=torch.float64)
+
+    @property
+    def raw_model(self) -> torch.nn.Module:
+        """The plain module under the engine's and torch.compile's wrappers, which
+        evaluation runs (under FSDP in place, the one sharded over the workers now)."""
+        return self.job.unwrap(self.model)
 
     # ----------------------------------------------------------------------- the loop
 

@@ -9,11 +9,12 @@ ranks agree on everything (spotring/preemption.py's vote). What happens there:
   two steps (``commit``);
 - a collective of this step failed (a worker lost without notice: its connections
   closed, or its heartbeat stood still for rendezvous.py's SILENT_S while the others
-  waited in a collective: its host cut off): DDP's allreduce hook gave
-  zeros and the optimizer skipped its step (``watch``), so the step is dropped. The
-  survivors answer a roll call in the rendezvous store and form the next generation of
-  members from who answered, form the process group anew, go back to the kept states,
-  and take the same global batch again, split over the ranks they have;
+  waited in a collective: its host cut off): the gradients' hook (DDP's allreduce,
+  HSDP's over the groups) gave up and the optimizer skipped its step (``watch``), so the
+  step is dropped. The survivors answer a roll call in the rendezvous store and form the
+  next generation of members from who answered (HSDP: of the groups still whole), form
+  the process group anew, go back to the kept states, and take the same global batch
+  again, split over the ranks they have;
 - the vote names workers whose node has a notice (or a SIGTERM): every rank writes the
   checkpoint of this step (ElasticOptions.save_on_leave), those workers leave (exit 75),
   the others form the group anew and go on;
@@ -43,7 +44,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
@@ -59,7 +59,7 @@ from spotring.elastic.rendezvous import (
     connect,
 )
 from spotring.engines.process_group import Group
-from spotring.exits import ConfigError
+from spotring.exits import ConfigError, exit_peer_lost
 from spotring.global_batch import split_global_batch
 from spotring.loader import DataLoader
 from spotring.options import ElasticOptions
@@ -210,6 +210,10 @@ class InPlace:
         engine = job.engine
         if engine.failure is not None:
             return self._lost(job, engine.failure)
+        # Workers leave and join by whole copies of the model's state (HSDP: a group).
+        size = engine.replica_size
+        noticed, leaving = leaving, _copies_of(leaving, size)
+        joining -= joining % size  # the rest are counted again at the next vote
         if not (leaving or joining):
             self.commit(job)
             return False
@@ -221,7 +225,9 @@ class InPlace:
         if leaving and self.options.save_on_leave:
             job.save(background=False)
         if job.rank in leaving:
-            job._leave("a notice on this worker's node: the others go on in place")
+            job._leave("a notice on this worker's node: the others go on in place"
+                       if job.rank in noticed else "a notice on a node of this worker's "
+                       "group (HSDP), which leaves whole: the others go on in place")
             return True
         # Those joining are taken in at the next step's start (step_starts), where they
         # begin: what the members do until then (a save, say) is theirs alone.
@@ -269,7 +275,21 @@ class InPlace:
             self.commit(job)  # this rank's update went through: the step counts here
         else:
             job._load_small_states(copy.deepcopy(self._kept))
-        nxt = self.rendezvous.survivors(self.generation)
+        members, size = self.generation.members, job.engine.replica_size
+        nxt = self.rendezvous.survivors(
+            self.generation, keep=lambda answered: _whole_copies(members, answered, size))
+        if not nxt.members:
+            exit_peer_lost(f"rank {job.rank}: every group of {size} workers (HSDP) lost one: "
+                           "no whole copy of the model's state is left to go on in place "
+                           "with; today's path: exit 69, and the job restarts from its "
+                           "last checkpoint")
+        if self.rendezvous.name not in nxt.members and size > 1:
+            # Its group lost a worker (or it answered too late): as a worker of a group
+            # that lost one does where that collective raised (in FSDP's own forward or
+            # backward), whichever collective met it first.
+            exit_peer_lost(f"rank {job.rank}: this worker's group of {size} (HSDP) lost a "
+                           "worker, or it answered the roll call too late: the whole groups "
+                           "go on in place without it (exit 69: started again, it joins)")
         if self.rendezvous.name not in nxt.members:
             # Counted out (its heartbeat still through the roll call: a host too busy to
             # answer). It asks to join again, and is taken in where the members take in
@@ -355,6 +375,19 @@ class InPlace:
                     len(generation.members), job.step_count, why, seconds)
 
 
+def _copies_of(ranks: tuple[int, ...], size: int) -> tuple[int, ...]:
+    """``ranks`` and the other ranks of their copies of the model's state (groups of
+    ``size`` consecutive ranks)."""
+    return tuple(sorted({r // size * size + i for r in ranks for i in range(size)}))
+
+
+def _whole_copies(members: tuple[str, ...], present: list[str], size: int) -> list[str]:
+    """The ``members`` (in order, each consecutive ``size`` of them a copy of the model's
+    state) of the copies whose every member is ``present``."""
+    rows = [members[i:i + size] for i in range(0, len(members), size)]
+    return [m for row in rows if all(m in present for m in row) for m in row]
+
+
 def _cannot_go_on(job: Job, workers: int, options: ElasticOptions) -> str | None:
     """Why ``workers`` cannot go on in place with the job's global batch, or None."""
     if workers < options.min_workers:
@@ -371,19 +404,15 @@ def _cannot_go_on(job: Job, workers: int, options: ElasticOptions) -> str | None
 
 
 def _send_state(job: Job, source: int) -> None:
-    """Rank ``source``'s model weights and buffers, optimizer state and small states, on
-    every rank (a collective): the replicas of a DDP job in place are one again."""
+    """Rank ``source``'s model (weights and buffers), optimizer state and small states, on
+    every rank (a collective): the copies of a job in place are one again."""
     from spotring.checkpoint.manager import unwrap
 
     for obj in job._tracked.values():
         if isinstance(obj, nn.Module):
-            with torch.no_grad():
-                for tensor in [*unwrap(obj).parameters(), *unwrap(obj).buffers()]:
-                    dist.broadcast(tensor.data, src=source)
-    states = [{name: obj.state_dict() for name, obj in job._tracked.items()
-               if isinstance(obj, Optimizer)} | {"small": job._small_states()}]
-    dist.broadcast_object_list(states, src=source)
-    for name, obj in job._tracked.items():
-        if isinstance(obj, Optimizer):
-            obj.load_state_dict(states[0][name])
-    job._load_small_states(states[0]["small"])
+            job.engine.send_model(unwrap(obj), source)
+        elif isinstance(obj, Optimizer):
+            job.engine.send_optimizer(obj, source)
+    small = [job._small_states()]
+    dist.broadcast_object_list(small, src=source)
+    job._load_small_states(small[0])

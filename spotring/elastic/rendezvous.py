@@ -37,6 +37,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -211,12 +212,14 @@ class Rendezvous:
         """The member that found ``generation`` lost a worker, or None."""
         return self._get(f"failed/{generation}")
 
-    def survivors(self, generation: Generation) -> Generation:
+    def survivors(self, generation: Generation,
+                  keep: Callable[[list[str]], list[str]] = list) -> Generation:
         """Generation ``generation.number + 1`` after a collective of ``generation``
-        failed: the members that answered the roll call, in their old order. Each
-        survivor answers, and waits until every member answered or is gone (its
-        heartbeat still for DEAD_S); the first to be done proposes who answered, and
-        every survivor takes that record, whoever is in it (one not in it joins again)."""
+        failed: the members that answered the roll call, in their old order, those
+        ``keep`` keeps of them (the whole copies of the model). Each survivor answers,
+        and waits until every member answered or is gone (its heartbeat still for
+        DEAD_S); the first to be done proposes who answered, and every survivor takes
+        that record, whoever is in it (one not in it joins again)."""
         number = generation.number
         self.store.set(f"{_PREFIX}alive/{number}/{self.name}", "1")
         beats: dict[str, tuple[int, float]] = {}  # a member's last heartbeat, when seen
@@ -229,7 +232,7 @@ class Rendezvous:
             gone = self.still([m for m in generation.members if m not in answered], beats,
                               DEAD_S)
             if len(answered) + len(gone) == len(generation.members):
-                return self.record(number + 1, answered, generation.admitted)
+                return self.record(number + 1, keep(answered), generation.admitted)
             time.sleep(0.02)
 
 

@@ -136,14 +136,15 @@ def create(options: EngineOptions, launch: Launch, device: torch.device,
     return _engine(options).create(options, launch, device, group=group)
 
 
-def in_place_problem(options: EngineOptions) -> str | None:
-    """Why engine ``options`` cannot run in place (spotring.ElasticOptions), or None."""
+def in_place_problem(options: EngineOptions, world_size: int) -> str | None:
+    """Why engine ``options`` cannot run a job of ``world_size`` workers in place
+    (spotring.ElasticOptions), or None."""
     if _engine(options).in_place:
-        return None
+        return options.in_place_problem(world_size)
     able = ", ".join(n for n, r in registry().items() if r.in_place)
     return (f"engine={options.name} cannot form its process group anew as workers leave "
-            f"and join (FSDP's shards and Horovod's controller go with a lost worker); "
-            f"valid in place: {able}")
+            f"and join (Horovod's controller goes with a lost worker); valid in place: "
+            f"{able}")
 
 
 def is_collective_failure(error: BaseException) -> bool:

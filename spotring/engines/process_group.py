@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
 
 from spotring.engines import is_collective_failure
 from spotring.engines.base import Engine
@@ -203,6 +205,26 @@ class ProcessGroupEngine(Engine):
             self.failure = None
         self._join(group)
 
+    @property
+    def replica_size(self) -> int:
+        """In place: the workers that hold one whole copy of the model's state between
+        them (every one alone; FSDPEngine: its group). Workers leave and join by copies."""
+        return 1
+
+    def send_model(self, model: nn.Module, source: int) -> None:
+        """In place: rank ``source``'s parameters and buffers on every rank (a collective):
+        the copies are one again."""
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=source)
+
+    def send_optimizer(self, optimizer: Optimizer, source: int) -> None:
+        """In place: rank ``source``'s ``optimizer`` state and hyperparameters on every
+        rank (a collective)."""
+        box = [optimizer.state_dict()]
+        dist.broadcast_object_list(box, src=source)
+        optimizer.load_state_dict(box[0])
+
     def failed(self, error: BaseException, group_number: int | None = None) -> None:
         """In place: a collective of this step failed with ``error`` (a lost worker): kept
         for the job's next step boundary (the first such error of the step). No other
@@ -246,16 +268,19 @@ class ProcessGroupEngine(Engine):
 
         return landed
 
-    def _sum(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """In place: start the sum of ``tensor``; the returned function waits for it and
-        returns it, or this rank's own values where the collective failed or was given
-        up (the engine's ``failure`` says which)."""
+    def _sum(self, tensor: torch.Tensor, group: Any = None,
+             drop: bool = True) -> Callable[[], torch.Tensor]:
+        """In place: start the sum of ``tensor`` over ``group`` (default all ranks); the
+        returned function waits for it and returns it, or this rank's own values where
+        the collective failed or was given up (the engine's ``failure`` says which), the
+        group then dropped where ``drop`` (else at the optimizer's step: FSDP's backward
+        goes on in the groups that stand)."""
         if self.failure is not None:  # the group is broken: no collective can complete
             return lambda: tensor
         ended = threading.Event()
         landed = self.in_flight(ended.set)
         try:
-            future = dist.all_reduce(tensor, async_op=True).get_future()
+            future = dist.all_reduce(tensor, group=group, async_op=True).get_future()
         except Exception as e:
             if not is_collective_failure(e):
                 raise
@@ -275,7 +300,7 @@ class ProcessGroupEngine(Engine):
                     if not is_collective_failure(e):
                         raise
                     self.failed(e)
-            if self.failure is not None:
+            if self.failure is not None and drop:
                 self.drop_group()
             return tensor
 

@@ -98,15 +98,15 @@ class Telemetry:
         ``done_steps`` into the run."""
         if not enabled:
             self.close()
-        if not enabled or self.enabled:
-            return
-        from torch.utils.tensorboard import SummaryWriter
+        elif not self.enabled:
+            from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(self.tensorboard_dir))
-        self.metrics = self.metrics_path.open("a", buffering=1)  # a line at a time
-        self.progress = Progress(self._total_steps, done_steps) if self._progress else None
-        self._lrs: list[tuple[int, float]] = []
-        self.enabled = True
+            self.writer = SummaryWriter(str(self.tensorboard_dir))
+            self.metrics = self.metrics_path.open("a", buffering=1)  # a line at a time
+            self.progress = (Progress(self._total_steps, done_steps) if self._progress
+                             else None)
+            self._lrs: list[tuple[int, float]] = []
+            self.enabled = True
 
     def step(self, step: int, lr: float) -> None:
         """Every step: its LR, and the progress bar. The LRs go to TensorBoard's writer

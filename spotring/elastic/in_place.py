@@ -283,14 +283,15 @@ class InPlace:
                            "no whole copy of the model's state is left to go on in place "
                            "with; today's path: exit 69, and the job restarts from its "
                            "last checkpoint")
-        if self.rendezvous.name not in nxt.members and size > 1:
-            # Its group lost a worker (or it answered too late): as a worker of a group
-            # that lost one does where that collective raised (in FSDP's own forward or
-            # backward), whichever collective met it first.
-            exit_peer_lost(f"rank {job.rank}: this worker's group of {size} (HSDP) lost a "
-                           "worker, or it answered the roll call too late: the whole groups "
-                           "go on in place without it (exit 69: started again, it joins)")
         if self.rendezvous.name not in nxt.members:
+            if size > 1:
+                # Its group lost a worker (or it answered too late): it exits as a worker
+                # of such a group does where FSDP's own forward or backward met the loss,
+                # whichever collective met it first.
+                exit_peer_lost(f"rank {job.rank}: this worker's group of {size} (HSDP) "
+                               "lost a worker, or it answered the roll call too late: the "
+                               "whole groups go on in place without it (exit 69: started "
+                               "again, it joins)")
             # Counted out (its heartbeat still through the roll call: a host too busy to
             # answer). It asks to join again, and is taken in where the members take in
             # any newcomer: at a step's start (step_starts). Until then its failure stays

@@ -35,13 +35,14 @@ NEWEST_PYTHON ?= 3.13
 OLDEST := .venv-oldest
 NEWEST := .venv-newest
 
-.PHONY: help install horovod test test-fast test-ends lint train bench report clean
+.PHONY: help install horovod test test-fast test-ends disk-check lint train bench report clean
 
 help:
 	@echo "make train [NPROC=2] [ENGINE=ddp|horovod] [ARGS='dataset=cifar10 model=resnet20']"
 	@echo "make test [TEST_JOBS=2]  the whole suite (installs .venv and builds Horovod first)"
 	@echo "make test-fast     without the slow multi-process tests"
 	@echo "make test-ends     the library's tests at the oldest and newest supported torch and Python"
+	@echo "make disk-check    say whether make test has the disk it needs (about 22 GB the first time)"
 	@echo "make install       .venv with pinned versions (constraints.txt)"
 	@echo "make horovod       build Horovod 0.28.1 against the installed torch (cached)"
 	@echo "make lint          ruff"
@@ -74,9 +75,22 @@ $(AZURITE): harness/azurite/package.json harness/azurite/package-lock.json
 horovod: install
 	launch/node/build-horovod $(VENV)
 
-test: install horovod system-deps
+test: disk-check install horovod system-deps
 	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 	$(MAKE) test-ends
+
+# A full disk fails hundreds of tests at once, minutes in: say first where make test will
+# not fit. Each environment not yet made takes about 7 GB (torch with its CUDA libraries),
+# and the suite's runs about 1 GB (pytest keeps the last three under the temp directory).
+disk-check:
+	@need=1; for env in $(VENV) $(OLDEST) $(NEWEST); do \
+	    [ -e $$env/.installed ] || need=$$((need + 7)); \
+	done; \
+	free=$$(df -Pk . | awk 'NR == 2 {print int($$4 / 1048576)}'); \
+	if [ "$$free" -lt "$$need" ]; then \
+	    echo "disk-check: make test needs about $$need GB here and $$free GB are free:" \
+	         "tests will fail with 'No space left on device'"; \
+	fi
 
 # The oldest end runs the in-process tests and those marked `ends` (one multi-rank proof of
 # each engine, and of streamed shards); the newest Python runs the in-process tests. Each

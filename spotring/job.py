@@ -268,7 +268,8 @@ class Job:
         self.scaler = torch.amp.GradScaler(device.type, enabled=False)
         self.precision = "fp32"
         self._checkpointer = Checkpointer(checkpoints, self.engine, seed, checkpoints.sharded,
-                                          lambda: self.preemption.notice_seconds)
+                                          lambda: self.preemption.notice_seconds,
+                                          timeout_s=engine.timeout_s)
         self._noted_where = False  # rank 0's note of where the checkpoints are
         self._position: Position | None = None  # the tracked one
         self._steps = 0  # should_stop's count, where no position is tracked
@@ -554,7 +555,12 @@ class Job:
                 raise
             log.warning("the checkpoint of step %d was not saved: a worker was lost "
                         "while it was written", self.step_count)
-            self.engine.failed(e)
+            # Kept as its text alone: the error's frames hold the checkpoint's process
+            # group, which must close its connections as it is dropped (below).
+            self.engine.failed(ConnectionError(f"{type(e).__name__}: {e}"))
+        else:
+            return self.step_count
+        self._checkpointer.drop_collectives()  # out of ``except``: ``e`` is let go
         return self.step_count
 
     def restore(self, source: str | Checkpoint | None = "auto") -> int | None:

@@ -19,6 +19,7 @@ import random
 import re
 import signal
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import pytest
 import spotring
 from harness import ranks, shard_workload, workloads
 from harness.ranks import Ranks
+from spotring.elastic.rendezvous import BEAT_S, Rendezvous, connect, serve
 from spotring.exits import EXIT_CONFIG, EXIT_PEER_LOST, EXIT_PREEMPTED
 from spotring.launch.commands import BIN
 from spotring.shards import write
@@ -201,6 +203,35 @@ def test_a_worker_counted_out_by_the_roll_call_joins_again_and_the_job_ends_exac
     made = json.loads((run_dir / "summary.json").read_text())["in_place"]
     assert [(c["why"], c["workers"]) for c in made] == [("lost", [3, 1]), ("join", [1, 2])]
     assert_close(workloads.weights(run_dir), reference[1], 1e-10)
+
+
+def test_the_roll_call_closes_at_the_timeout_without_a_member_that_beats_but_never_answers():
+    """A member whose heartbeat goes on while its training thread waits where no failure
+    ends the wait (a collective of the checkpoint's that a peer left, say) would hold
+    the roll call open for ever: it closes after the rendezvous's timeout without it,
+    the same for every member that answered."""
+    store = serve("127.0.0.1", 0)
+    a, b, c = (Rendezvous(connect(f"127.0.0.1:{store.port}", 5), name, timeout_s=0.5)
+               for name in "abc")
+    before = a.record(0, ["a", "b", "c"], 0)
+    stop = threading.Event()
+
+    def beating() -> None:
+        while not stop.wait(BEAT_S):
+            c.beat()
+
+    threads = [threading.Thread(target=beating)]
+    answers = []
+    threads.append(threading.Thread(target=lambda: answers.append(b.survivors(before))))
+    for thread in threads:
+        thread.start()
+    try:
+        after = a.survivors(before)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert (after.number, after.members) == (1, ("a", "b")) and answers == [after]
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """The checkpoint manager: what a job's checkpoints hold, and how its ranks save and
 restore them on any world size, under any engine, in any store.
 
-    checkpointer = Checkpointer(checkpoints, engine, seed)
+    checkpointer = Checkpointer(checkpoints, engine, seed, timeout_s=300)
     checkpointer.tracked.update(model=model, optimizer=optimizer, loader=loader)
     checkpointer.annotations.update(model="resnet20")     # every manifest carries it
     checkpointer.save(step, position, scaler, background=True)   # every rank writes
@@ -53,6 +53,7 @@ A restore, top to bottom (``restore``):
 
 from __future__ import annotations
 
+import gc
 import io
 import logging
 import math
@@ -60,6 +61,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -105,12 +107,15 @@ class Checkpointer:
     checkpoints: the job's stores, opened (layout.Checkpoints; its directory the same on
     every rank). background, sharded: CheckpointOptions'. notice_seconds: how long the
     cloud's notice gives (read after each save, to warn once where a checkpoint would not
-    fit in it)."""
+    fit in it). timeout_s: how long each of the checkpoint's collectives waits for a peer
+    (engine.timeout_s)."""
 
     def __init__(self, checkpoints: Checkpoints, engine: Engine, seed: int,
                  sharded: bool | None = None,
-                 notice_seconds: Callable[[], float] = lambda: 120.0) -> None:
+                 notice_seconds: Callable[[], float] = lambda: 120.0, *,
+                 timeout_s: float) -> None:
         self.checkpoints, self.engine, self.seed = checkpoints, engine, seed
+        self.timeout = timedelta(seconds=timeout_s)
         self.sharded = sharded
         self.notice_seconds = notice_seconds
         self.tracked: dict[str, Any] = {}
@@ -232,6 +237,18 @@ class Checkpointer:
         """In place: the ranks are others now; the checkpoints' collectives are formed
         again over them at the next save or restore."""
         self._comm = None
+
+    def drop_collectives(self) -> None:
+        """In place, a save that met a lost worker: leave the checkpoint's process group
+        now, so that its connections close and a peer still waiting in it for this rank
+        (a coordinator's scatter, say, that this rank left) fails at once rather than at
+        engine.timeout_s. Formed again at the next save or restore."""
+        group = None if self._comm is None else self._comm.group
+        self._comm = None
+        if group is not None:
+            dist.destroy_process_group(group)
+            del group  # Gloo closes a group's connections as the group itself goes,
+            gc.collect()  # here its last holders too: the failed collective's frames
 
     def _warn_if_too_slow(self, saved: Saved) -> None:
         """Rank 0, once: say so where a checkpoint takes longer than the notice gives."""
@@ -415,7 +432,8 @@ class Checkpointer:
                 if not dist.is_initialized():
                     raise RuntimeError(f"engine {self.engine.name} joined no torch.distributed "
                                        "process group, which sharded checkpoints need")
-                group = dist.new_group(backend="gloo")
+                # engine.timeout_s, not torch's 30 minutes for a group made here.
+                group = dist.new_group(backend="gloo", timeout=self.timeout)
                 self._comm = parts.Comm(group, self.engine.rank, self.engine.world_size)
                 self._shared = len(set(self._comm.all_gather(socket.gethostname()))) == 1
         return self._comm

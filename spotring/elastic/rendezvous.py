@@ -49,7 +49,9 @@ _PREFIX = "spotring/"
 # Every member's process adds to its heartbeat this often, from a thread of its own, so
 # that it beats while its training thread computes or waits in a collective; one whose
 # heartbeat stands still for DEAD_S is gone (or hung: a host cut off, a process stopped).
-# After a collective failed, the roll call closes once every member answered or is gone.
+# After a collective failed, the roll call closes once every member answered or is gone,
+# or after engine.timeout_s (a member that beats but never comes to answer, stuck in a
+# wait no failure ends, is counted out: it joins again once it comes).
 # A member silent for SILENT_S while the others wait in a collective is taken as lost
 # (its host cut off with its connections open: no collective fails by itself then, until
 # engine.timeout_s); long enough that a process descheduled on a loaded host is not. Each
@@ -218,11 +220,12 @@ class Rendezvous:
         failed: the members that answered the roll call, in their old order, those
         ``keep`` keeps of them (the whole copies of the model). Each survivor answers,
         and waits until every member answered or is gone (its heartbeat still for
-        DEAD_S); the first to be done proposes who answered, and every survivor takes
-        that record, whoever is in it (one not in it joins again)."""
+        DEAD_S), for at most timeout_s; the first to be done proposes who answered, and
+        every survivor takes that record, whoever is in it (one not in it joins again)."""
         number = generation.number
         self.store.set(f"{_PREFIX}alive/{number}/{self.name}", "1")
         beats: dict[str, tuple[int, float]] = {}  # a member's last heartbeat, when seen
+        closes = time.monotonic() + self.timeout_s
         while True:
             stood = self.generation(number + 1)
             if stood is not None:
@@ -231,7 +234,8 @@ class Rendezvous:
                         if self.store.check([f"{_PREFIX}alive/{number}/{m}"])]
             gone = self.still([m for m in generation.members if m not in answered], beats,
                               DEAD_S)
-            if len(answered) + len(gone) == len(generation.members):
+            if (len(answered) + len(gone) == len(generation.members)
+                    or time.monotonic() > closes):
                 return self.record(number + 1, keep(answered), generation.admitted)
             time.sleep(0.02)
 

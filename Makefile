@@ -81,9 +81,9 @@ test: disk-check install horovod system-deps
 
 # A full disk fails hundreds of tests at once, minutes in: say first where make test will
 # not fit. Each environment not yet made takes about 7 GB (torch with its CUDA libraries),
-# and the suite's runs about 1 GB (pytest keeps the last three under the temp directory).
+# and the suite's runs about 2.5 GB (pytest keeps the last three under the temp directory).
 disk-check:
-	@need=1; for env in $(VENV) $(OLDEST) $(NEWEST); do \
+	@need=3; for env in $(VENV) $(OLDEST) $(NEWEST); do \
 	    [ -e $$env/.installed ] || need=$$((need + 7)); \
 	done; \
 	free=$$(df -Pk . | awk 'NR == 2 {print int($$4 / 1048576)}'); \

@@ -246,9 +246,12 @@ class Checkpointer:
         group = None if self._comm is None else self._comm.group
         self._comm = None
         if group is not None:
+            # Gloo closes a group's connections only as the group itself goes (abort and
+            # shutdown do not): its last holders go here, the failed collective's frames
+            # among them (reference cycles, hence the collection).
             dist.destroy_process_group(group)
-            del group  # Gloo closes a group's connections as the group itself goes,
-            gc.collect()  # here its last holders too: the failed collective's frames
+            del group
+            gc.collect()
 
     def _warn_if_too_slow(self, saved: Saved) -> None:
         """Rank 0, once: say so where a checkpoint takes longer than the notice gives."""

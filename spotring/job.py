@@ -545,6 +545,7 @@ class Job:
             self._checkpointer.save(self.step_count, self._position, self.scaler,
                                     self.checkpoints.background if background is None
                                     else background)
+            return self.step_count
         except Exception as e:
             # In place, a worker lost while the parts were written (one of the save's
             # collectives failed, or met the group a failed one dropped): the one before
@@ -558,8 +559,6 @@ class Job:
             # Kept as its text alone: the error's frames hold the checkpoint's process
             # group, which must close its connections as it is dropped (below).
             self.engine.failed(ConnectionError(f"{type(e).__name__}: {e}"))
-        else:
-            return self.step_count
         self._checkpointer.drop_collectives()  # out of ``except``: ``e`` is let go
         return self.step_count
 
